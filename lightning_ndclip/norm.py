@@ -1,0 +1,430 @@
+r"""Exact global gradient norm and clipping for N-D parallel models, in one collective.
+
+For gradients :math:`g_1, \dots, g_k` of one logical model, viewed as a single flat vector :math:`G`,
+
+.. math::
+
+    \|G\|_p = \Big(\sum_{\text{logical elements } x} |x|^p\Big)^{1/p}, \qquad
+    \|G\|_\infty = \max_x |x|,
+
+whatever the mesh: every rank adds :math:`|x|^p` over the elements it is the designated holder of
+(see :mod:`lightning_ndclip.plan`), and one all-reduce (SUM, or MAX for the inf norm) over the group
+yields the exact total on every rank. No gradient is gathered, no ``full_tensor()`` is called, and
+nothing moves between host and device: the norm and the clip coefficient stay device tensors.
+
+The functions mirror :func:`torch.nn.utils.get_total_norm`, :func:`torch.nn.utils.clip_grad_norm_`
+and :func:`torch.nn.utils.clip_grads_with_norm_`, and accept the same arguments, plus keyword-only
+ones for what a single device does not need (pipeline mesh, tied parameters, process group).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils._foreach_utils import _device_has_foreach_support
+
+from lightning_ndclip.plan import NormPlan, build_plan
+from lightning_ndclip.runs import RunFinder
+
+__all__ = ["GradNorms", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norms"]
+
+_EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_
+_MAX_CACHED_PLANS = 16
+
+
+@dataclass(frozen=True)
+class GradNorms:
+    """The result of :func:`grad_norms`.
+
+    Attributes:
+        total: the exact global norm, a 0-dim device tensor, identical on every rank.
+        per_tensor: the exact global norm of every logical tensor world-wide (every pipeline stage;
+            a tied parameter once), a 1-D device tensor aligned with ``names``; ``None`` unless
+            requested.
+        names: the names of the entries of ``per_tensor``.
+    """
+
+    total: torch.Tensor
+    per_tensor: torch.Tensor | None
+    names: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        """``{name: norm}`` for every logical tensor (requires ``per_tensor``)."""
+        if self.per_tensor is None:
+            raise ValueError("per-tensor norms were not requested (per_tensor=False)")
+        return dict(zip(self.names, self.per_tensor.unbind()))
+
+
+@dataclass
+class _CachedPlan:
+    plan: NormPlan
+    fingerprint: float
+    keep_alive: tuple
+    finder: RunFinder = field(default_factory=RunFinder)
+    slot_index: dict = field(default_factory=dict)
+
+
+_plans: OrderedDict[tuple, _CachedPlan] = OrderedDict()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _layout_key(t: torch.Tensor) -> object:
+    if isinstance(t, DTensor):
+        return id(t._spec)
+    return (t.shape, t.dtype, t.device)
+
+
+def _cached_plan(
+    grads: Sequence[torch.Tensor],
+    names: Sequence[str],
+    tie_keys: Sequence[str | None],
+    pp_mesh: DeviceMesh | None,
+    group: dist.ProcessGroup | None,
+) -> _CachedPlan:
+    key = (tuple(_layout_key(g) for g in grads), tuple(names), tuple(tie_keys), id(pp_mesh), id(group))
+    entry = _plans.get(key)
+    if entry is not None:
+        _plans.move_to_end(key)
+        return entry
+    plan = build_plan(grads, names, tie_keys, pp_mesh=pp_mesh, group=group)
+    specs = tuple(g._spec for g in grads if isinstance(g, DTensor))
+    entry = _CachedPlan(plan, float(plan.fingerprint), keep_alive=(specs, pp_mesh, group))
+    _plans[key] = entry
+    while len(_plans) > _MAX_CACHED_PLANS:
+        _plans.popitem(last=False)
+    return entry
+
+
+def _accumulate_dtype(grads: Sequence[torch.Tensor], requested: torch.dtype | None) -> torch.dtype:
+    if requested is not None:
+        return requested
+    return torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+
+
+def _by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
+
+
+def _use_foreach(foreach: bool | None, device: torch.device) -> bool:
+    supported = _device_has_foreach_support(device)
+    if foreach and not supported:
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+    return supported if foreach is None else foreach
+
+
+def _norms(tensors: list[torch.Tensor], norm_type: float, dtype: torch.dtype, foreach: bool | None) -> list[torch.Tensor]:
+    """Per-tensor norms, computed in ``dtype`` (no tensor is empty)."""
+    out: list[torch.Tensor] = []
+    for (device, _), group in _by_device_and_dtype(tensors).items():
+        if _use_foreach(foreach, device):
+            out.extend(torch._foreach_norm(group, norm_type, dtype=dtype))
+        else:
+            out.extend(torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in group)
+    return out
+
+
+def _collective_device(group: dist.ProcessGroup | None, like: torch.device) -> torch.device:
+    if like.type == "cpu" or not dist.is_initialized() or dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    return like
+
+
+def _combine(powers: torch.Tensor, is_inf: bool) -> torch.Tensor:
+    if powers.numel() == 0:
+        return powers.new_zeros(())
+    return powers.amax() if is_inf else powers.sum()
+
+
+def _global_norm(
+    grads: Sequence[torch.Tensor],
+    names: Sequence[str],
+    tie_keys: Sequence[str | None],
+    norm_type: float,
+    *,
+    per_tensor: bool,
+    foreach: bool | None,
+    pp_mesh: DeviceMesh | None,
+    group: dist.ProcessGroup | None,
+    accumulate_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, NormPlan, list[torch.Tensor]]:
+    """The core: returns (total norm, per-slot norms or None, plan, local tensors to scale)."""
+    norm_type = float(norm_type)
+    if not (norm_type > 0):
+        raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}")
+    is_inf = math.isinf(norm_type)
+    entry = _cached_plan(grads, names, tie_keys, pp_mesh, group)
+    plan = entry.plan
+    locals_ = [_local(g) for g in grads]
+    runs = entry.finder.runs(locals_, plan.counted)
+    acc = _accumulate_dtype(locals_, accumulate_dtype)
+    device = _collective_device(group, locals_[0].device if locals_ else torch.device("cpu"))
+
+    def powers(norms: list[torch.Tensor]) -> torch.Tensor:
+        if not norms:
+            return torch.zeros(0, dtype=torch.float64, device=device)
+        stacked = torch.stack([n.to(device) for n in norms]).to(torch.float64)
+        return stacked if is_inf else stacked.pow(norm_type)
+
+    per_slot = None
+    if per_tensor:
+        present = [i for i, t in enumerate(locals_) if plan.counted[i] and t.numel() > 0]
+        index = entry.slot_index.get((tuple(present), device))
+        if index is None:
+            index = torch.tensor([plan.slots[i] for i in present], dtype=torch.long, device=device)
+            entry.slot_index[(tuple(present), device)] = index
+        per_slot = torch.zeros(len(plan.slot_names), dtype=torch.float64, device=device)
+        per_slot.index_copy_(0, index, powers(_norms([locals_[i] for i in present], norm_type, acc, foreach)))
+        local = _combine(per_slot, is_inf)
+    else:
+        local = _combine(powers(_norms(runs.to_norm, norm_type, acc, foreach)), is_inf)
+
+    if plan.needs_collective:
+        f = entry.fingerprint
+        checks = torch.tensor([f, -f] if is_inf else [f, f * f], dtype=torch.float64, device=device)
+        parts = [local.reshape(1), torch.isnan(local).to(torch.float64).reshape(1), checks]
+        if per_slot is not None:
+            parts.append(per_slot)
+        buffer = torch.cat(parts)
+        dist.all_reduce(buffer, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=plan.group)
+        n = dist.get_world_size(plan.group)
+        expected = torch.tensor([f, -f] if is_inf else [n * f, n * f * f], dtype=torch.float64, device=device)
+        agreed = torch.eq(buffer[2:4], expected).all()
+        if device.type == "cpu" and not agreed:
+            raise RuntimeError(
+                "ranks used different cached norm plans in the same call (their gradient layouts "
+                "diverged after agreeing earlier); every rank of a stage must pass gradients of the "
+                "same layout"
+            )
+        # On an accelerator, raising would need a host sync: the norm becomes NaN on every rank.
+        poisoned = (buffer[1] > 0) | ~agreed
+        local = torch.where(poisoned, torch.full_like(buffer[0], math.nan), buffer[0])
+        if per_slot is not None:
+            per_slot = buffer[4:]
+
+    total = local if is_inf else local.pow(1.0 / norm_type)
+    if per_slot is not None and not is_inf:
+        per_slot = per_slot.pow(1.0 / norm_type)
+    return total.to(acc), None if per_slot is None else per_slot.to(acc), plan, runs.to_scale
+
+
+def _raise_if_nonfinite(total: torch.Tensor, norm_type: float) -> None:
+    if not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. This error is raised on every rank. To disable it, set "
+            "`error_if_nonfinite=False`."
+        )
+
+
+def _as_tensor_list(tensors: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+
+
+def _tie_keys(tensors: Sequence[torch.Tensor], tied: Mapping[str, torch.Tensor] | None, what: str) -> list[str | None]:
+    if not tied:
+        return [None] * len(tensors)
+    key_of = {id(t): k for k, t in tied.items()}
+    keys = [key_of.pop(id(t), None) for t in tensors]
+    if key_of:
+        raise ValueError(f"tied entries {sorted(key_of.values())} are not among the {what} passed")
+    return keys
+
+
+def get_total_norm(
+    tensors: torch.Tensor | Iterable[torch.Tensor],
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
+    pp_mesh: DeviceMesh | None = None,
+    tied: Mapping[str, torch.Tensor] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    accumulate_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    r"""The exact global norm of ``tensors`` (usually gradients) over every rank that holds part of them.
+
+    Like :func:`torch.nn.utils.get_total_norm`, for any mix of plain tensors and DTensors on any
+    meshes (``Shard``, ``_StridedShard``, ``Replicate``; several meshes in one call), and across
+    pipeline stages. Collective over ``process_group``: every rank must call it, with tensors of the
+    same layouts as the other ranks of its pipeline stage.
+
+    Counting rules: sharded mesh dims are summed, replicated mesh dims and copies of a mesh instance
+    (including plain tensors, taken to be replicated on every rank of a stage, as in DDP) count once,
+    stages are summed, tied tensors count once. ``Partial`` tensors are refused.
+
+    Args:
+        tensors: a tensor or an iterable of tensors.
+        norm_type: p of the p-norm, any ``p > 0``, or ``inf``.
+        error_if_nonfinite: raise (on every rank) if the total is ``nan`` or ``inf``. This reads the
+            norm on the host: a device synchronization.
+        foreach: use the foreach kernels; ``None`` uses them where the device supports them.
+        pp_mesh: the 1-D pipeline mesh. Default: the ``"pp"`` dim of the DTensors' root mesh, if any;
+            else no pipeline parallelism.
+        tied: ``{key: tensor}`` for tensors held by several pipeline stages as one logical tensor,
+            already summed over them; every holder passes the same key. Counted once.
+        process_group: the group spanning the model (default: the world).
+        accumulate_dtype: dtype of the local sums; default ``float32``, or ``float64`` if any tensor
+            is ``float64``. The cross-rank sum is always done in ``float64``.
+
+    Returns:
+        The total norm, a 0-dim tensor of ``accumulate_dtype``, identical on every rank.
+
+    Raises:
+        NormPlanError: on every rank, when the first call with a layout finds a ``Partial`` tensor,
+            ranks of one stage passing different tensors, or inconsistent meshes.
+    """
+    tensors = _as_tensor_list(tensors)
+    names = [f"tensor[{i}]" for i in range(len(tensors))]
+    total, _, _, _ = _global_norm(
+        tensors,
+        names,
+        _tie_keys(tensors, tied, "tensors"),
+        norm_type,
+        per_tensor=False,
+        foreach=foreach,
+        pp_mesh=pp_mesh,
+        group=process_group,
+        accumulate_dtype=accumulate_dtype,
+    )
+    if error_if_nonfinite:
+        _raise_if_nonfinite(total, norm_type)
+    return total
+
+
+def _scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool | None) -> None:
+    for (device, _), group in _by_device_and_dtype(tensors).items():
+        c = coef.to(device)
+        if _use_foreach(foreach, device):
+            torch._foreach_mul_(group, c)
+        else:
+            for t in group:
+                t.mul_(c)
+
+
+def _clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(float(max_norm) / (total_norm + _EPS), max=1.0)
+
+
+def clip_grads_with_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    total_norm: torch.Tensor,
+    foreach: bool | None = None,
+) -> None:
+    r"""Scale the gradients of ``parameters`` by :math:`\min(1, \text{max\_norm} / (\text{total\_norm} + 10^{-6}))`.
+
+    Like :func:`torch.nn.utils.clip_grads_with_norm_`; purely local (no collective), and works on the
+    local shards of DTensor gradients. ``total_norm`` must be the global norm, e.g. from
+    :func:`get_total_norm`. The coefficient stays on the device.
+    """
+    grads = [_local(p.grad) for p in _as_tensor_list(parameters) if p.grad is not None]
+    _scale_([g for g in grads if g.numel() > 0], _clip_coef(max_norm, total_norm), foreach)
+
+
+def _grads_and_names(parameters, named: bool) -> tuple[list, list[torch.Tensor], list[str]]:
+    params, names = [], []
+    for i, item in enumerate(parameters):
+        name, p = item if named else (f"parameter[{i}]", item)
+        if p.grad is not None:
+            params.append(p)
+            names.append(name)
+    return params, [p.grad for p in params], names
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
+    pp_mesh: DeviceMesh | None = None,
+    tied_parameters: Mapping[str, torch.Tensor] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    accumulate_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    r"""Clip the gradients of ``parameters`` to a global norm of at most ``max_norm``, exactly.
+
+    Like :func:`torch.nn.utils.clip_grad_norm_`: computes the global norm as in
+    :func:`get_total_norm` (one all-reduce per call once the layout is known), then multiplies every
+    local gradient by :math:`\min(1, \text{max\_norm} / (\text{norm} + 10^{-6}))`, a device tensor.
+    Gradients are left bit-for-bit unchanged when the norm is below ``max_norm``. Parameters whose
+    ``grad`` is ``None`` are skipped, as in PyTorch (ranks of a stage must agree on which).
+
+    Args:
+        parameters: a tensor or an iterable of tensors whose gradients are clipped.
+        max_norm: the maximum global norm.
+        norm_type, error_if_nonfinite, foreach, pp_mesh, process_group, accumulate_dtype: as in
+            :func:`get_total_norm`.
+        tied_parameters: ``{key: parameter}`` for parameters held by several pipeline stages as one
+            logical parameter, gradients already summed over the holders; counted once.
+
+    Returns:
+        The **pre-clip** total norm, a 0-dim tensor identical on every rank.
+    """
+    params, grads, names = _grads_and_names(_as_tensor_list(parameters), named=False)
+    total, _, _, to_scale = _global_norm(
+        grads,
+        names,
+        _tie_keys(params, tied_parameters, "parameters"),
+        norm_type,
+        per_tensor=False,
+        foreach=foreach,
+        pp_mesh=pp_mesh,
+        group=process_group,
+        accumulate_dtype=accumulate_dtype,
+    )
+    if error_if_nonfinite:
+        _raise_if_nonfinite(total, norm_type)
+    _scale_(to_scale, _clip_coef(max_norm, total), foreach)
+    return total
+
+
+def grad_norms(
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module,
+    norm_type: float = 2.0,
+    *,
+    per_tensor: bool = True,
+    foreach: bool | None = None,
+    pp_mesh: DeviceMesh | None = None,
+    tied_parameters: Mapping[str, torch.Tensor] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    accumulate_dtype: torch.dtype | None = None,
+) -> GradNorms:
+    """The exact global norm and, from the same single all-reduce, the exact global norm of every
+    parameter world-wide (all pipeline stages), for logging.
+
+    Args:
+        named_parameters: ``(name, parameter)`` pairs, or a module (its ``named_parameters()``).
+        per_tensor: also return the per-parameter norms (costs one extra local pass over the
+            gradients instead of the coalesced one, and a slot per parameter in the all-reduce).
+        Others: as in :func:`clip_grad_norm_`.
+    """
+    if isinstance(named_parameters, torch.nn.Module):
+        named_parameters = named_parameters.named_parameters()
+    params, grads, names = _grads_and_names(named_parameters, named=True)
+    total, per_slot, plan, _ = _global_norm(
+        grads,
+        names,
+        _tie_keys(params, tied_parameters, "parameters"),
+        norm_type,
+        per_tensor=per_tensor,
+        foreach=foreach,
+        pp_mesh=pp_mesh,
+        group=process_group,
+        accumulate_dtype=accumulate_dtype,
+    )
+    return GradNorms(total=total, per_tensor=per_slot, names=plan.slot_names)

@@ -1,0 +1,236 @@
+"""The world-wide counting plan: which rank counts which gradient, agreed by every rank.
+
+The exact global norm treats the gradients of one logical model as one flat vector. The plan makes
+every logical element count **exactly once worldwide**, so that a single all-reduce of the local
+sums (a max for the inf norm) yields the exact total:
+
+* inside a mesh instance, ``Shard`` / ``_StridedShard`` dims are disjoint pieces (all count) and
+  ``Replicate`` dims are copies (only coordinate 0 counts) — see :mod:`lightning_ndclip.layout`;
+* ranks of one pipeline stage that are *not* in a tensor's mesh instance hold further copies of the
+  instance (a dense layer's FSDP mesh seen from another tp or ep coordinate; a DDP-style plain
+  tensor on every rank): only the instance that contains the stage's lowest rank counts;
+* pipeline stages hold disjoint parameters: every stage counts its own;
+* a parameter tied across stages (input and output embedding) counts only in the lowest stage
+  that holds it.
+
+Building a plan costs one ``all_gather_object`` over the group, in which ranks also check that they
+agree (same tensors per stage, consistent meshes, no unsupported placement). Any problem is raised
+on **every** rank with the same message, so no rank is left waiting in a later collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_ndclip.layout import TensorLayout, describe
+
+PP_DIM_NAME = "pp"
+"""Mesh dim name taken to be the pipeline dim when no ``pp_mesh`` is given."""
+
+
+class NormPlanError(ValueError):
+    """The ranks' gradient layouts cannot be normed exactly; raised identically on every rank."""
+
+
+@dataclass(frozen=True)
+class NormPlan:
+    """What this rank contributes to the global norm, agreed with every other rank.
+
+    Attributes:
+        layouts: the local description of each tensor, in call order.
+        counted: per tensor, whether this rank adds its local piece to the global sum.
+        slots: per tensor, its index in the world-wide per-tensor norm vector.
+        slot_names: the name of every slot, world-wide (all stages), in slot order.
+        needs_collective: ``False`` when every rank already holds every element (one process,
+            or only replicated tensors on a single stage): the local norm is the global one.
+        group: the process group of the single all-reduce.
+        stage: this rank's pipeline stage (0 without pipeline parallelism).
+        fingerprint: a number in ``[1, 2**20]`` hashed from every rank's view; equal on all ranks
+            that agreed on this plan, so a later call can check they still use the same one.
+    """
+
+    layouts: tuple[TensorLayout, ...]
+    counted: tuple[bool, ...]
+    slots: tuple[int, ...]
+    slot_names: tuple[str, ...]
+    needs_collective: bool
+    group: dist.ProcessGroup | None
+    stage: int
+    fingerprint: int
+
+
+def pipeline_stage(tensors: Sequence[torch.Tensor], pp_mesh: DeviceMesh | None) -> int:
+    """This rank's pipeline coordinate: from ``pp_mesh``, else from a ``"pp"`` dim of the root mesh
+    of any DTensor in ``tensors``, else 0."""
+    if pp_mesh is not None:
+        if pp_mesh.ndim != 1:
+            raise ValueError(f"pp_mesh must be a 1-D DeviceMesh, got {pp_mesh.ndim} dims")
+        return pp_mesh.get_local_rank()
+    for t in tensors:
+        if isinstance(t, DTensor):
+            root = t.device_mesh._get_root_mesh()
+            if root.mesh_dim_names and PP_DIM_NAME in root.mesh_dim_names:
+                return root.get_local_rank(PP_DIM_NAME)
+    return 0
+
+
+def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size(group)
+
+
+def _fingerprint(views: list[dict]) -> int:
+    digest = hashlib.blake2b(repr(views).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (1 << 20) + 1
+
+
+def _first_difference(a: list, b: list) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def _check_agreement(views: list[dict]) -> list[str]:
+    """Problems in the gathered per-rank views, as messages naming ranks and tensors."""
+    problems = [f"rank {v['rank']}: {e}" for v in views for e in v["errors"]]
+    if problems:
+        return problems
+    by_rank = {v["rank"]: v for v in views}
+    leaders: dict[int, dict] = {}
+    for v in views:
+        lead = leaders.setdefault(v["stage"], v)
+        if v is lead:
+            continue
+        mine, theirs = v["signatures"], lead["signatures"]
+        if len(mine) != len(theirs):
+            problems.append(
+                f"rank {v['rank']} holds {len(mine)} gradient tensors but rank {lead['rank']} of the "
+                f"same pipeline stage {v['stage']} holds {len(theirs)}"
+            )
+        elif mine != theirs:
+            i = _first_difference(mine, theirs)
+            problems.append(
+                f"tensor #{i} ({v['names'][i]}) differs between rank {lead['rank']} "
+                f"{theirs[i]} and rank {v['rank']} {mine[i]} of pipeline stage {v['stage']}"
+            )
+    for v in views:
+        for ranks in set(v["mesh_ranks"]):
+            for q in ranks:
+                other = by_rank.get(q)
+                if other is None:
+                    problems.append(
+                        f"rank {v['rank']} has a mesh over ranks {list(ranks)}, but rank {q} is not "
+                        "in the norm's process group"
+                    )
+                elif other["stage"] != v["stage"]:
+                    problems.append(
+                        f"a mesh over ranks {list(ranks)} spans pipeline stages {v['stage']} "
+                        f"(rank {v['rank']}) and {other['stage']} (rank {q}); a parameter's mesh must "
+                        "lie within one stage"
+                    )
+                elif ranks not in other["mesh_ranks"]:
+                    problems.append(
+                        f"rank {v['rank']} holds a tensor on a mesh over ranks {list(ranks)} but rank "
+                        f"{q} holds no tensor on that mesh"
+                    )
+                if problems:
+                    return problems
+    return problems
+
+
+def build_plan(
+    tensors: Sequence[torch.Tensor],
+    names: Sequence[str],
+    tie_keys: Sequence[str | None],
+    *,
+    pp_mesh: DeviceMesh | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> NormPlan:
+    """Analyse ``tensors`` on every rank of ``group`` and agree on who counts what.
+
+    Collective over ``group`` (one ``all_gather_object``) when more than one process runs.
+
+    Args:
+        tensors: the gradients (or the parameters standing for them), in a fixed order.
+        names: a name per tensor, for messages and per-tensor norms.
+        tie_keys: per tensor, ``None`` or a key shared by the copies of one parameter held by several
+            pipeline stages (its gradient already summed over them): counted once, in the lowest stage.
+        pp_mesh: the pipeline mesh dim; inferred as in :func:`pipeline_stage` when ``None``.
+        group: the process group spanning every rank that holds part of the model (default: world).
+
+    Raises:
+        NormPlanError: on every rank, when any rank found a layout it cannot count exactly or when
+            ranks disagree.
+    """
+    rank, world_size = _world(group)
+    stage = pipeline_stage(tensors, pp_mesh)
+    cache: dict[int, tuple[int, ...]] = {}
+    layouts = tuple(describe(t, n, rank, cache) for t, n in zip(tensors, names))
+    signatures = [(lay.signature, key) for lay, key in zip(layouts, tie_keys)]
+    view = {
+        "rank": rank,
+        "stage": stage,
+        "names": list(names),
+        "signatures": signatures,
+        "mesh_ranks": [lay.mesh_ranks for lay in layouts],
+        "errors": [lay.error for lay in layouts if lay.error],
+    }
+    if world_size == 1:
+        views = [view]
+    else:
+        views = [None] * world_size
+        dist.all_gather_object(views, view, group=group)
+    problems = _check_agreement(views)
+    if problems:
+        shown = "\n  ".join(problems[:8])
+        more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
+        raise NormPlanError(f"cannot compute an exact global gradient norm:\n  {shown}{more}")
+
+    stages = sorted({v["stage"] for v in views})
+    leaders = {s: min((v for v in views if v["stage"] == s), key=lambda v: v["rank"]) for s in stages}
+    stage_min_rank = leaders[stage]["rank"]
+    first_stage_of_key: dict[str, int] = {}
+    slot_of: dict[tuple[int, int], int] = {}
+    slot_names: list[str] = []
+    for s in stages:
+        lead = leaders[s]
+        for i, (_, key) in enumerate(lead["signatures"]):
+            if key is not None and key in first_stage_of_key:
+                slot_of[(s, i)] = slot_of[first_stage_of_key[key]]
+                continue
+            if key is not None:
+                first_stage_of_key[key] = (s, i)
+            slot_of[(s, i)] = len(slot_names)
+            slot_names.append(lead["names"][i])
+
+    needs_collective = world_size > 1 and (
+        len(stages) > 1 or not all(lay.replicated_everywhere for lay in layouts)
+    )
+    if needs_collective:
+        counted = tuple(
+            lay.counted_in_mesh
+            and stage_min_rank in lay.mesh_ranks
+            and (key is None or first_stage_of_key[key][0] == stage)
+            for lay, key in zip(layouts, tie_keys)
+        )
+    else:
+        counted = (True,) * len(layouts)
+    return NormPlan(
+        layouts=layouts,
+        counted=counted,
+        slots=tuple(slot_of[(stage, i)] for i in range(len(layouts))),
+        slot_names=tuple(slot_names),
+        needs_collective=needs_collective,
+        group=group,
+        stage=stage,
+        fingerprint=_fingerprint(views),
+    )

@@ -1,0 +1,308 @@
+"""Run test functions on every rank of a gloo process group, using reusable worker pools.
+
+Starting a worker costs seconds (importing torch), so one pool of ``world_size`` spawned
+processes is created per world size at first use and kept for the whole pytest session
+(``conftest.py`` calls :func:`shutdown_all` at the end). At most :data:`MAX_WORKERS`
+processes are kept; the least recently used pool is shut down to make room.
+
+A task that raises on some rank, hangs, or leaves the group unusable breaks its pool: the
+pool's processes are killed and it is recreated transparently on the next call.
+
+Usage (``fn`` must be a module-level function; it is imported by name in the workers)::
+
+    def _sum_ranks():
+        t = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(t)
+        return t.item()
+
+    def test_sum():
+        assert run_on_ranks(4, _sum_ranks) == [6.0] * 4
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import faulthandler
+import importlib
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from multiprocessing import connection, get_context
+from pathlib import Path
+from typing import Any, Callable
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+MAX_WORKERS = 15
+"""Most worker processes alive at once, over all pools."""
+ERROR_GRACE_S = 5.0
+"""After a rank raised, how long the other ranks may take to answer before the pool is killed."""
+STARTUP_TIMEOUT_S = 180.0
+"""How long a new pool may take until every rank has joined the process group."""
+
+_TESTS_DIR = Path(__file__).resolve().parent
+_REPO_ROOT = _TESTS_DIR.parent
+_WORKER_ENV = {
+    "CUDA_VISIBLE_DEVICES": "",
+    "OMP_NUM_THREADS": "1",
+    "MASTER_ADDR": "127.0.0.1",
+    **({"GLOO_SOCKET_IFNAME": "lo"} if Path("/sys/class/net/lo").exists() else {}),
+}
+
+
+class RankFailure(AssertionError):
+    """A task raised on some rank, or not every rank answered in time."""
+
+
+def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list:
+    """Run ``fn(*args, **kwargs)`` on every rank of a gloo group; return the results, indexed by rank.
+
+    Arguments and results are pickled. Raises :class:`RankFailure` if a rank raises or if not
+    every rank has answered (returned and passed the post-task barrier) within ``timeout`` s.
+    """
+    if not 1 <= world_size <= MAX_WORKERS:
+        raise ValueError(f"world_size must be in [1, {MAX_WORKERS}], got {world_size}")
+    module, qualname = fn.__module__, fn.__qualname__
+    if module == "__main__" or "<" in qualname:
+        raise ValueError(f"{module}.{qualname} is not a module-level function; workers cannot import it")
+    task = pickle.dumps((module, qualname, args, kwargs))
+    pool = _pool_for(world_size)
+    try:
+        return pool.run(f"{module}.{qualname}", task, timeout)
+    except BaseException:
+        del _pools[world_size]
+        pool.shutdown()
+        raise
+
+
+def ranks_agree(obj: Any) -> bool:
+    """Inside a task: whether every rank passed an equal ``obj`` (tensors compared with ``torch.equal``)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    first = gathered[0]
+    if isinstance(first, torch.Tensor):
+        return all(isinstance(o, torch.Tensor) and torch.equal(first, o) for o in gathered)
+    return all(o == first for o in gathered)
+
+
+def shutdown_all() -> None:
+    """Kill every pool's processes (called at the end of the pytest session)."""
+    while _pools:
+        _pools.popitem()[1].shutdown()
+
+
+_pools: OrderedDict[int, _Pool] = OrderedDict()
+"""Live pools by world size, least recently used first."""
+atexit.register(shutdown_all)  # workers are not daemonic (tasks may start processes): never leave them behind
+
+
+def _pool_for(world_size: int) -> _Pool:
+    """Return a live pool for ``world_size``, starting one (and evicting old ones) if needed."""
+    pool = _pools.pop(world_size, None)
+    if pool is not None and not pool.alive():
+        pool.shutdown()
+        pool = None
+    if pool is None:
+        while _pools and sum(p.world_size for p in _pools.values()) + world_size > MAX_WORKERS:
+            _pools.popitem(last=False)[1].shutdown()
+        pool = _Pool(world_size)
+    _pools[world_size] = pool
+    return pool
+
+
+class _Pool:
+    """``world_size`` spawned worker processes forming one gloo process group."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._dir = Path(tempfile.mkdtemp(prefix=f"harness-ws{world_size}-"))
+        ctx = get_context("spawn")
+        self._conns: list[connection.Connection] = []
+        self._procs: list[Any] = []
+        with mock.patch.dict(os.environ, _WORKER_ENV):
+            for rank in range(world_size):
+                parent_end, child_end = ctx.Pipe()
+                proc = ctx.Process(
+                    target=_worker_main,
+                    args=(rank, world_size, str(self._dir / "store"), child_end, self._stack_file(rank), os.getpid()),
+                    name=f"harness-rank{rank}-of-{world_size}",
+                )
+                proc.start()
+                child_end.close()
+                self._conns.append(parent_end)
+                self._procs.append(proc)
+        try:
+            self._await_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _stack_file(self, rank: int) -> str:
+        return str(self._dir / f"stack-rank{rank}.txt")
+
+    def _await_ready(self) -> None:
+        waiting = set(range(self.world_size))
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while waiting:
+            message = self._next_message(waiting, deadline)
+            if message is None:
+                raise RuntimeError(f"ranks {sorted(waiting)} of a new pool of {self.world_size} did not start "
+                                   f"within {STARTUP_TIMEOUT_S} s")
+            rank, kind, payload = message
+            if kind != "ready":
+                raise RuntimeError(f"rank {rank} of a new pool of {self.world_size} failed to start:\n{payload}")
+            waiting.discard(rank)
+
+    def alive(self) -> bool:
+        return all(proc.is_alive() for proc in self._procs)
+
+    def shutdown(self) -> None:
+        """Kill and reap all processes, remove the temporary directory."""
+        for proc in self._procs:
+            proc.kill()
+        for proc in self._procs:
+            proc.join(10)
+        for conn in self._conns:
+            conn.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _next_message(self, ranks: set[int], deadline: float) -> tuple[int, str, Any] | None:
+        """Wait for the next ``(rank, kind, payload)`` from one of ``ranks``; ``None`` at the deadline."""
+        remaining = deadline - time.monotonic()
+        ready = connection.wait([self._conns[r] for r in ranks], timeout=max(remaining, 0))
+        if not ready:
+            return None
+        rank = self._conns.index(ready[0])
+        try:
+            kind, payload = pickle.loads(ready[0].recv_bytes())
+        except (EOFError, OSError):
+            self._procs[rank].join(1)
+            kind, payload = "error", f"worker process died (exit code {self._procs[rank].exitcode})"
+        return rank, kind, payload
+
+    def run(self, name: str, task: bytes, timeout: float) -> list:
+        """Send ``task`` to every rank and collect the results; raise :class:`RankFailure` on failure."""
+        for conn in self._conns:
+            conn.send_bytes(task)
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        running = set(range(self.world_size))  # ranks that have not returned yet
+        in_barrier: set[int] = set()  # ranks that returned but have not passed the post-task barrier
+        deadline = time.monotonic() + timeout
+        while running or (in_barrier and not errors):
+            message = self._next_message(running | in_barrier, deadline)
+            if message is None:
+                break
+            rank, kind, payload = message
+            running.discard(rank)
+            in_barrier.discard(rank)
+            if kind == "ok":
+                results[rank] = payload
+                in_barrier.add(rank)
+            elif kind == "error":
+                errors[rank] = payload
+                deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
+        if not (errors or running or in_barrier):
+            return [results[rank] for rank in range(self.world_size)]
+        raise RankFailure(self._report(name, errors, running, set() if errors else in_barrier, timeout))
+
+    def _report(self, name: str, errors: dict[int, str], running: set[int], in_barrier: set[int],
+                timeout: float) -> str:
+        """Describe a failed task, with the Python stacks of the ranks that did not answer."""
+        test = os.environ.get("PYTEST_CURRENT_TEST", "")
+        lines = [f"{name} failed on world size {self.world_size}" + (f" (test {test})" if test else "")]
+        if errors:
+            lines.append(f"ranks that raised: {sorted(errors)}")
+        if running or in_barrier:
+            limit = f"the {ERROR_GRACE_S} s grace period after an error" if errors else f"the {timeout} s timeout"
+            lines.append(f"ranks that did not answer within {limit}: {sorted(running | in_barrier)}"
+                         + (f" (of which {sorted(in_barrier)} returned, then stuck in the post-task barrier)"
+                            if in_barrier else ""))
+        for rank, text in sorted(errors.items()):
+            lines.append(f"\n---- rank {rank} raised ----\n{text.rstrip()}")
+        for rank, text in sorted(self._dump_stacks(running | in_barrier).items()):
+            lines.append(f"\n---- rank {rank} did not answer; its stack ----\n{text.rstrip()}")
+        return "\n".join(lines)
+
+    def _dump_stacks(self, ranks: set[int]) -> dict[int, str]:
+        """Make ``ranks`` write their Python stacks (faulthandler on SIGUSR1) and read them back."""
+        offsets = {rank: os.path.getsize(self._stack_file(rank)) for rank in ranks}
+        for rank in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._procs[rank].pid, signal.SIGUSR1)
+        sizes: dict[int, int] = {}
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:  # until every dump has started and stopped growing
+            time.sleep(0.1)
+            new_sizes = {rank: os.path.getsize(self._stack_file(rank)) for rank in ranks}
+            if new_sizes == sizes and all(new_sizes[r] > offsets[r] for r in ranks):
+                break
+            sizes = new_sizes
+        stacks = {}
+        for rank in ranks:
+            with open(self._stack_file(rank)) as dump:
+                dump.seek(offsets[rank])
+                stacks[rank] = dump.read() or "(no stack dump received)"
+        return stacks
+
+
+def _worker_main(rank: int, world_size: int, store: str, conn: connection.Connection, stack_file: str,
+                 parent_pid: int) -> None:
+    """Worker process: join the gloo group, then run tasks until the pipe closes."""
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), name="harness-orphan-watchdog",
+                     daemon=True).start()
+    for path in (str(_REPO_ROOT), str(_TESTS_DIR)):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=True)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"file://{store}")
+    except BaseException:
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+        raise
+    conn.send_bytes(pickle.dumps(("ready", None)))
+    while True:
+        try:
+            task = conn.recv_bytes()
+        except EOFError:
+            return
+        try:
+            module, qualname, args, kwargs = pickle.loads(task)
+            fn: Any = importlib.import_module(module)
+            for attr in qualname.split("."):
+                fn = getattr(fn, attr)
+            reply, ok = pickle.dumps(("ok", fn(*args, **kwargs))), True
+        except BaseException:
+            reply, ok = pickle.dumps(("error", traceback.format_exc())), False
+        sys.stdout.flush()
+        sys.stderr.flush()
+        conn.send_bytes(reply)
+        if ok:  # a raising rank skips the barrier: its pool is killed anyway
+            conn.send_bytes(pickle.dumps(_post_task_barrier()))
+
+
+def _post_task_barrier() -> tuple[str, str | None]:
+    """Check that every rank is back in step after a task."""
+    try:
+        dist.barrier()
+    except BaseException:
+        return "error", "post-task barrier failed:\n" + traceback.format_exc()
+    return "clean", None
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """Kill this worker once the process that started it (pytest) has gone."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(1)

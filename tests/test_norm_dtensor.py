@@ -1,0 +1,184 @@
+"""Golden tests of the global norm on hand-placed DTensors: every placement, several meshes in one
+call, uneven shards, Partial refusal, non-finite propagation, collective counts.
+
+Each rank builds the same full float64 gradients from a fixed seed (the single-device reference),
+distributes them, and compares the distributed norm with the reference norm of the full tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_on_ranks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+import lightning_ndclip as nd
+
+NORM_TYPES = (2.0, 1.0, 3.0, 0.5, math.inf)
+
+
+def reference_norm(tensors: list[torch.Tensor], p: float) -> torch.Tensor:
+    """Single-device float64 norm of the concatenation."""
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+    return torch.linalg.vector_norm(flat, p)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-12) -> None:
+    a, e = float(actual), float(expected)
+    assert abs(a - e) <= rtol * abs(e), f"{a!r} != {e!r} (relative error {abs(a - e) / abs(e):.3e})"
+
+
+def _full(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def _mixed_meshes_case():
+    """World 8: a 3-D mesh (dp_replicate, dp_shard, tp), a 1-D slice of it, a separate expert
+    mesh, and plain tensors, all in one call."""
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    experts = init_device_mesh("cpu", (2, 4), mesh_dim_names=("edp", "ep"))
+    specs = [
+        ((7, 6), mesh, [Replicate(), Shard(0), Shard(1)]),  # HSDP x TP, uneven rows
+        ((9, 4), mesh, [Replicate(), Shard(0), Replicate()]),  # TP-replicated, FSDP-sharded
+        ((4, 5), mesh, [Replicate(), Replicate(), Replicate()]),
+        ((3, 5), mesh["dp_shard"], [Shard(0)]),  # FSDP only, other mesh
+        ((1, 3), mesh["tp"], [Shard(0)]),  # one row over two ranks: an empty shard
+        ((8, 3, 2), experts, [Shard(1), Shard(0)]),  # experts sharded on ep, FSDP on edp
+        ((5,), None, None),  # plain, DDP style
+    ]
+    full = [_full(shape, i) for i, (shape, _, _) in enumerate(specs)]
+    grads = [
+        f.clone() if m is None else distribute_tensor(f, m, pl) for f, (_, m, pl) in zip(full, specs)
+    ]
+    out = {}
+    for p in NORM_TYPES:
+        ours = nd.get_total_norm(grads, p)
+        assert_close(ours, reference_norm(full, p))
+        out[p] = float(ours)
+    naive = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        local = g.to_local() if hasattr(g, "to_local") else g
+        naive += local.pow(2).sum()
+    dist.all_reduce(naive)
+    out["naive"] = float(naive.sqrt())
+    with CommDebugMode() as comm:
+        nd.get_total_norm(grads, 2.0)
+    out["collectives"] = comm.get_total_counts()
+    try:
+        torch.nn.utils.get_total_norm(grads, 2.0)
+        out["torch"] = "ok"
+    except Exception as e:  # noqa: BLE001 - recording what torch does
+        out["torch"] = type(e).__name__
+    out["ref"] = float(reference_norm(full, 2.0))
+    return out
+
+
+def test_mixed_meshes_every_placement_and_norm_type():
+    results = run_on_ranks(8, _mixed_meshes_case)
+    assert all(r == results[0] for r in results), "ranks disagree"
+    r = results[0]
+    assert r["collectives"] == 1
+    assert r["torch"] != "ok", "torch.nn.utils.get_total_norm was expected to refuse mixed meshes"
+    assert abs(r["naive"] - r["ref"]) > 1e-3 * r["ref"], "the naive sum should double count"
+
+
+def _uneven_case(world_size):
+    """Shards that leave most ranks empty: every norm type, no exception, exact."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    full = [_full((1, 3), 1), _full((3,), 2), _full((0, 4), 3)]
+    grads = [distribute_tensor(f, mesh, [Shard(0)]) for f in full]
+    for p in NORM_TYPES:
+        assert_close(nd.get_total_norm(grads, p), reference_norm(full, p))
+    return [g.to_local().numel() for g in grads]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_uneven_and_empty_shards(world_size):
+    sizes = run_on_ranks(world_size, _uneven_case, world_size)
+    if world_size > 1:
+        assert any(s[0] == 0 for s in sizes), "the test should leave some rank with an empty shard"
+
+
+def _partial_case():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    g = distribute_tensor(_full((4, 4), 0), mesh, [Replicate()])
+    partial = DTensor.from_local(g.to_local() / 2, mesh, [Partial()]) if dist.get_rank() == 0 else g
+    with pytest.raises(nd.NormPlanError) as info:
+        nd.get_total_norm([partial])
+    return str(info.value)
+
+
+def test_partial_refused_on_every_rank_naming_the_tensor():
+    messages = run_on_ranks(2, _partial_case, timeout=60)
+    for m in messages:
+        assert "rank 0" in m and "tensor[0]" in m and "Partial" in m and "'tp'" in m
+
+
+def _mismatch_case():
+    grads = [torch.ones(3, dtype=torch.float64)] * (2 if dist.get_rank() == 1 else 1)
+    mesh = init_device_mesh("cpu", (2,))
+    grads.append(distribute_tensor(torch.ones(4, dtype=torch.float64), mesh, [Shard(0)]))
+    with pytest.raises(nd.NormPlanError) as info:
+        nd.get_total_norm(grads)
+    return str(info.value)
+
+
+def test_ranks_that_disagree_fail_together_with_the_difference_named():
+    for m in run_on_ranks(2, _mismatch_case, timeout=60):
+        assert "rank 1 holds 3 gradient tensors but rank 0" in m
+
+
+def _nonfinite_case(bad):
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
+    full = _full((8, 3), 0)
+    grad = distribute_tensor(full, mesh, [Shard(0)])
+    if dist.get_rank() == 2:
+        grad.to_local()[0, 0] = bad
+    out = [float(nd.get_total_norm([grad], p)) for p in (2.0, math.inf)]
+    with pytest.raises(RuntimeError, match="non-finite"):
+        nd.get_total_norm([grad], error_if_nonfinite=True)
+    return out
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_nonfinite_on_one_rank_is_nonfinite_everywhere(bad):
+    for two, inf in run_on_ranks(4, _nonfinite_case, bad):
+        assert not math.isfinite(two) and not math.isfinite(inf)
+        if math.isnan(bad):
+            assert math.isnan(two) and math.isnan(inf)
+
+
+def _replicated_only_case():
+    full = [_full((6, 2), 0), _full((3,), 1)]
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    grads = [full[0].clone(), distribute_tensor(full[1], mesh, [Replicate()])]
+    nd.get_total_norm(grads)  # plan
+    with CommDebugMode() as comm:
+        ours = nd.get_total_norm(grads)
+    assert_close(ours, reference_norm(full, 2.0))
+    return comm.get_total_counts()
+
+
+def test_replicated_only_needs_no_collective():
+    assert run_on_ranks(4, _replicated_only_case) == [0] * 4
+
+
+def _bf16_case():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    full = [_full((64, 32), i).to(torch.bfloat16) for i in range(3)]
+    grads = [distribute_tensor(f, mesh, [Shard(0), Shard(1)]) for f in full]
+    ours = nd.get_total_norm(grads)
+    assert ours.dtype == torch.float32
+    assert_close(ours, reference_norm(full, 2.0), rtol=1e-6)
+    wide = nd.get_total_norm(grads, accumulate_dtype=torch.float64)
+    assert_close(wide, reference_norm(full, 2.0), rtol=1e-12)
+
+
+def test_bf16_accumulates_in_fp32_or_fp64():
+    run_on_ranks(4, _bf16_case)
