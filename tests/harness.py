@@ -129,19 +129,20 @@ class _Pool:
         ctx = get_context("spawn")
         self._conns: list[connection.Connection] = []
         self._procs: list[Any] = []
-        with mock.patch.dict(os.environ, _WORKER_ENV):
-            for rank in range(world_size):
-                parent_end, child_end = ctx.Pipe()
-                proc = ctx.Process(
-                    target=_worker_main,
-                    args=(rank, world_size, str(self._dir / "store"), child_end, self._stack_file(rank), os.getpid()),
-                    name=f"harness-rank{rank}-of-{world_size}",
-                )
-                proc.start()
-                child_end.close()
-                self._conns.append(parent_end)
-                self._procs.append(proc)
         try:
+            with mock.patch.dict(os.environ, _WORKER_ENV):
+                for rank in range(world_size):
+                    parent_end, child_end = ctx.Pipe()
+                    self._conns.append(parent_end)
+                    proc = ctx.Process(
+                        target=_worker_main,
+                        args=(rank, world_size, str(self._dir / "store"), child_end, self._stack_file(rank),
+                              os.getpid()),
+                        name=f"harness-rank{rank}-of-{world_size}",
+                    )
+                    proc.start()
+                    child_end.close()
+                    self._procs.append(proc)
             self._await_ready()
         except BaseException:
             self.shutdown()

@@ -94,6 +94,7 @@ def test_exception_on_one_rank_fails_fast_and_pool_recovers(monkeypatch: pytest.
 
 
 def test_hang_is_reported_with_stack_and_pool_recovers() -> None:
+    run_on_ranks(2, _pid)  # start the pool outside the timed part
     start = time.monotonic()
     with pytest.raises(RankFailure) as failure:
         run_on_ranks(2, _sleep_on_rank_1, timeout=3)
