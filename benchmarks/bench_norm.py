@@ -1,0 +1,288 @@
+"""Benchmark: global gradient norm + clip on FSDP2 / FSDP2 x TP models (CPU, gloo).
+
+Compares ``lightning_ndclip.clip_grad_norm_`` with ``torch.nn.utils.clip_grad_norm_``, torchtitan's
+``clip_grad_norm_`` (if importable) and a memory-bandwidth floor. Run by hand (see README.md)::
+
+    python benchmarks/bench_norm.py            # 4 ranks, N = 100 1000 3000 10000, both layouts
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import lightning_ndclip as nd
+from lightning_ndclip.runs import RunFinder
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LINEARS_PER_UNIT = 4  # 8 parameters (weight + bias) per fully_shard unit
+WIDTH_FACTORS = (1.0, 0.8, 1.25, 0.9)  # unit widths d0 -> d1 -> d2 -> d3 -> d0 (relative)
+METHODS = ("ndclip", "ndclip_norm", "torch", "torchtitan")
+BUDGET_S = 2.0  # wall time per timed method; repetitions are reduced below --reps to fit it
+MIN_REPS = 5
+
+try:
+    from torchtitan.distributed.utils import clip_grad_norm_ as titan_clip
+    TITAN_MISSING = None
+except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+    titan_clip, TITAN_MISSING = None, f"n/a (not installed: {type(e).__name__})"
+
+
+class Unit(nn.Module):
+    """A residual block of ``LINEARS_PER_UNIT`` linears: x + net(x)."""
+
+    def __init__(self, widths: list[int]) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for k, (i, o) in enumerate(zip(widths, widths[1:] + widths[:1])):
+            layers += [nn.Linear(i, o)] + ([nn.ReLU()] if k < len(widths) - 1 else [])
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.net(x)
+
+
+def unit_widths(elems_per_tensor: int, world: int) -> list[int]:
+    """Widths such that a tensor holds ~``elems_per_tensor`` local elements on average once sharded
+    ``world`` ways; inner widths are odd, so dim 0 shards unevenly."""
+    f = WIDTH_FACTORS
+    mean_product = sum(a * b for a, b in zip(f, f[1:] + f[:1])) / len(f)
+    s = math.sqrt(2 * elems_per_tensor * world / mean_product)
+    return [round(s * x) | (1 if k else 0) for k, x in enumerate(f)]
+
+
+def build_model(layout: str, n_tensors: int, elems_per_tensor: int, world: int) -> nn.Module:
+    """A stack of ``fully_shard`` units with ~``n_tensors`` parameters, and one backward done.
+
+    ``fsdp``: 1-D mesh (dp_shard=world). ``fsdp_tp``: (dp_shard=world/2, tp=2); in every unit the first
+    two linears are Colwise/Rowwise parallel (half the linears), the others live on the dp mesh only.
+    """
+    torch.manual_seed(0)
+    widths = unit_widths(elems_per_tensor, world)
+    units = max(1, round(n_tensors / (2 * LINEARS_PER_UNIT)))
+    model = nn.Sequential(*(Unit(widths) for _ in range(units)))
+    if layout == "fsdp":
+        dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    else:
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "tp"))
+        dp_mesh = mesh["dp_shard"]
+        for unit in model:
+            parallelize_module(unit.net, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for unit in model:
+        fully_shard(unit, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    x = torch.randn(2, widths[0], generator=torch.Generator().manual_seed(dp_mesh.get_local_rank()))
+    model(x).square().mean().backward()
+    return model
+
+
+def local_grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+
+
+def count_runs(params: list[nn.Parameter]) -> tuple[int, int]:
+    """(#runs to norm, #runs to scale) that ndclip's RunFinder makes of this rank's gradients."""
+    locals_ = local_grads(params)
+    counted = [True] * len(locals_)
+    try:  # the counted flags of the most recent cached plan (private; diagnostic only)
+        plan = next(reversed(nd.norm._plans.values())).plan
+        if len(plan.counted) == len(locals_):
+            counted = list(plan.counted)
+    except Exception:  # noqa: BLE001
+        pass
+    runs = RunFinder().runs(locals_, counted)
+    return len(runs.to_norm), len(runs.to_scale)
+
+
+def agree_reps(first_call_s: float, reps: int) -> int:
+    """Repetitions fitting ``BUDGET_S`` given the slowest rank's warm-up time (same on all ranks)."""
+    t = torch.tensor([first_call_s], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return max(MIN_REPS, min(reps, int(BUDGET_S / max(t.item(), 1e-9))))
+
+
+def time_fn(fn, reps: int, warmup: int = 2) -> dict:
+    """Median ms per call (barrier before each call), collectives per call, or the error raised."""
+    try:
+        for _ in range(warmup):
+            t0 = time.perf_counter()
+            fn()
+            first = time.perf_counter() - t0
+        err = None
+    except Exception as e:  # noqa: BLE001 - recording what a method does
+        err, first = f"raises {type(e).__name__}", 0.0
+    errs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errs, err)
+    if any(errs):
+        return {"error": next(e for e in errs if e)}
+    with CommDebugMode() as comm:
+        fn()
+    times = []
+    for _ in range(agree_reps(first, reps)):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"ms": 1e3 * statistics.median(times), "collectives": comm.get_total_counts(), "reps": len(times)}
+
+
+def bench_case(layout: str, n_tensors: int, args) -> dict:
+    """Time every method on one model; returns this rank's numbers."""
+    t0 = time.perf_counter()
+    model = build_model(layout, n_tensors, args.elems_per_tensor, args.world_size)
+    build_s = time.perf_counter() - t0
+    params = [p for p in model.parameters() if p.grad is not None]
+    numel = sum(g.numel() for g in local_grads(params))
+    methods = {
+        "ndclip": lambda: nd.clip_grad_norm_(params, max_norm=1e9),
+        "ndclip_norm": lambda: nd.get_total_norm([p.grad for p in params]),
+        "torch": lambda: torch.nn.utils.clip_grad_norm_(params, 1e9),
+        "torchtitan": (lambda: titan_clip(params, 1e9)) if titan_clip else None,
+    }
+    out = {"layout": layout, "n_tensors": len(params), "local_mb": numel * 4 / 2**20, "build_s": build_s}
+    for name, fn in methods.items():
+        out[name] = time_fn(fn, args.reps) if fn else {"error": TITAN_MISSING}
+    # correctness: ndclip's norm against torch's where torch works (coef is 1.0: grads unchanged)
+    ours = float(nd.clip_grad_norm_(params, max_norm=1e9))
+    out["norm"] = ours
+    if "error" not in out["torch"]:
+        ref = torch.nn.utils.clip_grad_norm_(params, 1e9)
+        ref = float(ref.full_tensor() if isinstance(ref, DTensor) else ref)
+        out["rel_err_vs_torch"] = abs(ours - ref) / max(abs(ref), 1e-30)
+    out["runs_norm"], out["runs_scale"] = count_runs(params)
+    flat = torch.randn(numel)
+    out["floor_r"] = time_fn(lambda: torch.linalg.vector_norm(flat), args.reps)
+    out["floor_rw"] = time_fn(lambda: flat.mul_(1.0), args.reps)
+    del model, params, methods, flat
+    gc.collect()
+    return out
+
+
+def reduce_ranks(per_rank: list[dict]) -> dict:
+    """Max over ranks of every median time, local size and run count."""
+    row = dict(per_rank[0])
+    for key in ("local_mb", "build_s", "runs_norm", "runs_scale"):
+        row[key] = max(r[key] for r in per_rank)
+    for key in METHODS + ("floor_r", "floor_rw"):
+        if "ms" in row[key]:
+            row[key] = dict(row[key], ms=max(r[key]["ms"] for r in per_rank))
+    row["rel_err_vs_torch"] = max((r.get("rel_err_vs_torch", 0.0) for r in per_rank), default=0.0)
+    row["floor_ms"] = row["floor_r"]["ms"] + row["floor_rw"]["ms"]
+    return row
+
+
+def worker(rank: int, args, port: int, out_json: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
+    rows = []
+    for layout in args.layouts:
+        for n in args.sizes:
+            mine = bench_case(layout, n, args)
+            gathered: list = [None] * args.world_size
+            dist.all_gather_object(gathered, mine)
+            rows.append(reduce_ranks(gathered))
+            if rank == 0:
+                r = rows[-1]
+                print(f"{layout:8s} N={r['n_tensors']:6d} built in {r['build_s']:.1f}s  ndclip "
+                      f"{r['ndclip'].get('ms', float('nan')):.2f} ms", flush=True)
+    if rank == 0:
+        Path(out_json).write_text(json.dumps({"world_size": args.world_size, "args": vars(args), "rows": rows}, indent=1))
+    dist.destroy_process_group()
+
+
+def fmt(cell: dict) -> str:
+    return f"{cell['ms']:.2f}" if "ms" in cell else cell["error"]
+
+
+def ratio(a: dict, b: dict | float) -> str:
+    b_ms = b if isinstance(b, float) else b.get("ms")
+    return f"{a['ms'] / b_ms:.2f}" if "ms" in a and b_ms else "-"
+
+
+def write_markdown(data: dict, path: Path) -> None:
+    head = ("| layout | N tensors | local MB | runs norm/scale | ndclip ms | ndclip_norm ms | torch ms | "
+            "torchtitan ms | floor ms (r + rw) | collectives ndclip/torch/titan | ndclip/floor | "
+            "ndclip/torch | ndclip/torchtitan |")
+    lines = [f"# Gradient norm + clip, {data['world_size']} ranks (CPU, gloo, 1 thread per rank)", "",
+             "Times: median per call, max over ranks. Collectives: CommDebugMode total per call.", "",
+             head, "|" + "---|" * (head.count("|") - 1)]
+    for r in data["rows"]:
+        coll = "/".join(str(r[m].get("collectives", "-")) for m in ("ndclip", "torch", "torchtitan"))
+        lines.append(
+            f"| {r['layout']} | {r['n_tensors']} | {r['local_mb']:.1f} | {r['runs_norm']}/{r['runs_scale']} | "
+            f"{fmt(r['ndclip'])} | {fmt(r['ndclip_norm'])} | {fmt(r['torch'])} | {fmt(r['torchtitan'])} | "
+            f"{r['floor_ms']:.2f} ({r['floor_r']['ms']:.2f} + {r['floor_rw']['ms']:.2f}) | {coll} | "
+            f"{ratio(r['ndclip'], r['floor_ms'])} | {ratio(r['ndclip'], r['torch'])} | "
+            f"{ratio(r['ndclip'], r['torchtitan'])} |")
+    errs = ", ".join(f"{r['layout']} N={r['n_tensors']}: {r['rel_err_vs_torch']:.1e}"
+                     for r in data["rows"] if "ms" in r["torch"])
+    lines += ["", f"Max relative difference ndclip vs torch norm: {errs or 'n/a'}", ""]
+    path.write_text("\n".join(lines))
+
+
+def write_plot(data: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layouts = list(dict.fromkeys(r["layout"] for r in data["rows"]))
+    fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4.5), squeeze=False)
+    for ax, layout in zip(axes[0], layouts):
+        rows = [r for r in data["rows"] if r["layout"] == layout]
+        for m in METHODS:
+            pts = [(r["n_tensors"], r[m]["ms"]) for r in rows if "ms" in r[m]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=m)
+        ax.plot([r["n_tensors"] for r in rows], [r["floor_ms"] for r in rows], "k--", label="floor (r + rw)")
+        ax.set(xscale="log", yscale="log", xlabel="gradient tensors per rank", ylabel="ms per call",
+               title=f"{layout}, {data['world_size']} ranks")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--sizes", type=int, nargs="+", default=[100, 1000, 3000, 10000], help="gradient tensors")
+    p.add_argument("--elems-per-tensor", type=int, default=2000, help="mean local float32 elements per tensor (fsdp)")
+    p.add_argument("--layouts", nargs="+", choices=["fsdp", "fsdp_tp"], default=["fsdp", "fsdp_tp"])
+    p.add_argument("--reps", type=int, default=20, help="timed calls per method (fewer if slow)")
+    args = p.parse_args()
+    if "fsdp_tp" in args.layouts and args.world_size % 2:
+        p.error("fsdp_tp needs an even --world-size")
+    RESULTS.mkdir(exist_ok=True)
+    stem = RESULTS / f"norm_{args.world_size}ranks"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.perf_counter()
+    mp.spawn(worker, args=(args, port, f"{stem}.json"), nprocs=args.world_size, join=True)
+    data = json.loads(Path(f"{stem}.json").read_text())
+    write_markdown(data, Path(f"{stem}.md"))
+    write_plot(data, Path(f"{stem}.png"))
+    print(Path(f"{stem}.md").read_text())
+    print(f"total {time.perf_counter() - t0:.0f} s; wrote {stem}.md/.png/.json")
+
+
+if __name__ == "__main__":
+    main()
