@@ -61,11 +61,12 @@ class Unit(nn.Module):
 
 def unit_widths(elems_per_tensor: int, world: int) -> list[int]:
     """Widths such that a tensor holds ~``elems_per_tensor`` local elements on average once sharded
-    ``world`` ways; inner widths are odd, so dim 0 shards unevenly."""
+    ``world`` ways. Widths are multiples of 4 except d2 = 2 mod 4 (even, for tp=2): the 2nd linear's
+    weight and bias (dim 0 = d2) shard unevenly over 4 FSDP ranks, so FSDP pads them."""
     f = WIDTH_FACTORS
     mean_product = sum(a * b for a, b in zip(f, f[1:] + f[:1])) / len(f)
     s = math.sqrt(2 * elems_per_tensor * world / mean_product)
-    return [round(s * x) | (1 if k else 0) for k, x in enumerate(f)]
+    return [4 * round(s * x / 4) + (2 if k == 2 else 0) for k, x in enumerate(f)]
 
 
 def build_model(layout: str, n_tensors: int, elems_per_tensor: int, world: int) -> nn.Module:
@@ -180,6 +181,7 @@ def reduce_ranks(per_rank: list[dict]) -> dict:
     row = dict(per_rank[0])
     for key in ("local_mb", "build_s", "runs_norm", "runs_scale"):
         row[key] = max(r[key] for r in per_rank)
+    row["runs_norm_per_rank"] = [r["runs_norm"] for r in per_rank]
     for key in METHODS + ("floor_r", "floor_rw"):
         if "ms" in row[key]:
             row[key] = dict(row[key], ms=max(r[key]["ms"] for r in per_rank))

@@ -105,12 +105,6 @@ def _cached_plan(
     return entry
 
 
-def _accumulate_dtype(grads: Sequence[torch.Tensor], requested: torch.dtype | None) -> torch.dtype:
-    if requested is not None:
-        return requested
-    return torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-
-
 def _by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
     groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
@@ -169,7 +163,7 @@ def _global_norm(
     plan = entry.plan
     locals_ = [_local(g) for g in grads]
     runs = entry.finder.runs(locals_, plan.counted)
-    acc = _accumulate_dtype(locals_, accumulate_dtype)
+    acc = accumulate_dtype or plan.accumulate_dtype
     device = _collective_device(group, locals_[0].device if locals_ else torch.device("cpu"))
 
     def powers(norms: list[torch.Tensor]) -> torch.Tensor:
@@ -276,8 +270,9 @@ def get_total_norm(
         tied: ``{key: tensor}`` for tensors held by several pipeline stages as one logical tensor,
             already summed over them; every holder passes the same key. Counted once.
         process_group: the group spanning the model (default: the world).
-        accumulate_dtype: dtype of the local sums; default ``float32``, or ``float64`` if any tensor
-            is ``float64``. The cross-rank sum is always done in ``float64``.
+        accumulate_dtype: dtype of the local sums and of the result; default ``float32``, or
+            ``float64`` if any rank holds a ``float64`` tensor. The cross-rank sum is always done in
+            ``float64``.
 
     Returns:
         The total norm, a 0-dim tensor of ``accumulate_dtype``, identical on every rank.

@@ -52,6 +52,8 @@ class NormPlan:
             or only replicated tensors on a single stage): the local norm is the global one.
         group: the process group of the single all-reduce.
         stage: this rank's pipeline stage (0 without pipeline parallelism).
+        accumulate_dtype: the default dtype of local sums and of the result, the same on every rank:
+            ``float64`` if any rank holds a ``float64`` tensor, else ``float32``.
         fingerprint: a number in ``[1, 2**20]`` hashed from every rank's view; equal on all ranks
             that agreed on this plan, so a later call can check they still use the same one.
     """
@@ -63,6 +65,7 @@ class NormPlan:
     needs_collective: bool
     group: dist.ProcessGroup | None
     stage: int
+    accumulate_dtype: torch.dtype
     fingerprint: int
 
 
@@ -183,6 +186,7 @@ def build_plan(
         "signatures": signatures,
         "mesh_ranks": [lay.mesh_ranks for lay in layouts],
         "errors": [lay.error for lay in layouts if lay.error],
+        "float64": any(t.dtype == torch.float64 for t in tensors),
     }
     if world_size == 1:
         views = [view]
@@ -232,5 +236,6 @@ def build_plan(
         needs_collective=needs_collective,
         group=group,
         stage=stage,
+        accumulate_dtype=torch.float64 if any(v["float64"] for v in views) else torch.float32,
         fingerprint=_fingerprint(views),
     )

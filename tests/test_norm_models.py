@@ -227,3 +227,33 @@ def test_run_finder_tiles_views_and_respects_gaps_and_counting():
     overlapping = [base[0:6], base[4:10]]
     assert len(RunFinder().runs(overlapping, [True, True]).to_norm) == 2
 
+
+
+def _steps_case():
+    model, dp_rank = _parallel_model(1, 2, 2)
+    x, y = _batch()
+    counts = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x.chunk(2)[dp_rank]), y.chunk(2)[dp_rank]).backward()
+        with CommDebugMode() as comm:
+            nd.clip_grad_norm_(model.parameters(), 1e9)
+        counts.append(comm.get_total_counts())
+    return counts
+
+
+def test_plan_is_agreed_once_then_one_collective_per_step():
+    # step 1: all_gather_object (2 collectives) + the all-reduce; later steps: the all-reduce only
+    assert run_on_ranks(4, _steps_case) == [[3, 1, 1]] * 4
+
+
+def _empty_stage_case():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    full = torch.arange(6, dtype=torch.float64)
+    mine = [full.clone()] if mesh.get_local_rank() == 0 else []  # stage 1 holds no parameter
+    for p in (2.0, math.inf):
+        assert_close(nd.get_total_norm(mine, p, pp_mesh=mesh), reference_norm([full], p))
+
+
+def test_a_stage_without_parameters_neither_hangs_nor_raises():
+    run_on_ranks(2, _empty_stage_case)
