@@ -136,11 +136,17 @@ def time_fn(fn, reps: int, warmup: int = 2) -> dict:
     with CommDebugMode() as comm:
         fn()
     times = []
-    for _ in range(agree_reps(first, reps)):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+    n = agree_reps(first, reps)
+    gc.collect()
+    gc.disable()  # as timeit does: a full collection over the model's objects is not the method's cost
+    try:
+        for _ in range(n):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
     return {"ms": 1e3 * statistics.median(times), "collectives": comm.get_total_counts(), "reps": len(times)}
 
 
