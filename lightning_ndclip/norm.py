@@ -74,29 +74,41 @@ class _CachedPlan:
 _plans: OrderedDict[tuple, _CachedPlan] = OrderedDict()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+def _locals(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
 
 
-def _layout_key(t: torch.Tensor) -> object:
-    if isinstance(t, DTensor):
-        return id(t._spec)
-    return (t.shape, t.dtype, t.device)
+def _layout_key(tensors: Sequence[torch.Tensor]) -> tuple:
+    """Identifies a layout cheaply: DTensor specs by identity (the cache keeps them alive), plain
+    tensors by shape and dtype."""
+    return tuple([id(t._spec) if isinstance(t, DTensor) else (t.shape, t.dtype) for t in tensors])
 
 
 def _cached_plan(
     grads: Sequence[torch.Tensor],
-    names: Sequence[str],
-    tie_keys: Sequence[str | None],
+    names: Sequence[str] | None,
+    tie_keys: Sequence[str | None] | None,
     pp_mesh: DeviceMesh | None,
     group: dist.ProcessGroup | None,
 ) -> _CachedPlan:
-    key = (tuple(_layout_key(g) for g in grads), tuple(names), tuple(tie_keys), id(pp_mesh), id(group))
+    key = (
+        _layout_key(grads),
+        None if names is None else tuple(names),
+        None if tie_keys is None else tuple(tie_keys),
+        id(pp_mesh),
+        id(group),
+    )
     entry = _plans.get(key)
     if entry is not None:
         _plans.move_to_end(key)
         return entry
-    plan = build_plan(grads, names, tie_keys, pp_mesh=pp_mesh, group=group)
+    plan = build_plan(
+        grads,
+        [f"tensor[{i}]" for i in range(len(grads))] if names is None else names,
+        [None] * len(grads) if tie_keys is None else tie_keys,
+        pp_mesh=pp_mesh,
+        group=group,
+    )
     specs = tuple(g._spec for g in grads if isinstance(g, DTensor))
     entry = _CachedPlan(plan, float(plan.fingerprint), keep_alive=(specs, pp_mesh, group))
     _plans[key] = entry
@@ -144,8 +156,8 @@ def _combine(powers: torch.Tensor, is_inf: bool) -> torch.Tensor:
 
 def _global_norm(
     grads: Sequence[torch.Tensor],
-    names: Sequence[str],
-    tie_keys: Sequence[str | None],
+    names: Sequence[str] | None,
+    tie_keys: Sequence[str | None] | None,
     norm_type: float,
     *,
     per_tensor: bool,
@@ -161,7 +173,7 @@ def _global_norm(
     is_inf = math.isinf(norm_type)
     entry = _cached_plan(grads, names, tie_keys, pp_mesh, group)
     plan = entry.plan
-    locals_ = [_local(g) for g in grads]
+    locals_ = _locals(grads)
     runs = entry.finder.runs(locals_, plan.counted)
     acc = accumulate_dtype or plan.accumulate_dtype
     device = _collective_device(group, locals_[0].device if locals_ else torch.device("cpu"))
@@ -227,9 +239,11 @@ def _as_tensor_list(tensors: torch.Tensor | Iterable[torch.Tensor]) -> list[torc
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
-def _tie_keys(tensors: Sequence[torch.Tensor], tied: Mapping[str, torch.Tensor] | None, what: str) -> list[str | None]:
+def _tie_keys(
+    tensors: Sequence[torch.Tensor], tied: Mapping[str, torch.Tensor] | None, what: str
+) -> list[str | None] | None:
     if not tied:
-        return [None] * len(tensors)
+        return None
     key_of = {id(t): k for k, t in tied.items()}
     keys = [key_of.pop(id(t), None) for t in tensors]
     if key_of:
@@ -282,10 +296,9 @@ def get_total_norm(
             ranks of one stage passing different tensors, or inconsistent meshes.
     """
     tensors = _as_tensor_list(tensors)
-    names = [f"tensor[{i}]" for i in range(len(tensors))]
     total, _, _, _ = _global_norm(
         tensors,
-        names,
+        None,
         _tie_keys(tensors, tied, "tensors"),
         norm_type,
         per_tensor=False,
@@ -325,18 +338,10 @@ def clip_grads_with_norm_(
     local shards of DTensor gradients. ``total_norm`` must be the global norm, e.g. from
     :func:`get_total_norm`. The coefficient stays on the device.
     """
-    grads = [_local(p.grad) for p in _as_tensor_list(parameters) if p.grad is not None]
+    grads = _locals([p.grad for p in _as_tensor_list(parameters) if p.grad is not None])
     _scale_([g for g in grads if g.numel() > 0], _clip_coef(max_norm, total_norm), foreach)
 
 
-def _grads_and_names(parameters, named: bool) -> tuple[list, list[torch.Tensor], list[str]]:
-    params, names = [], []
-    for i, item in enumerate(parameters):
-        name, p = item if named else (f"parameter[{i}]", item)
-        if p.grad is not None:
-            params.append(p)
-            names.append(name)
-    return params, [p.grad for p in params], names
 
 
 def clip_grad_norm_(
@@ -370,10 +375,10 @@ def clip_grad_norm_(
     Returns:
         The **pre-clip** total norm, a 0-dim tensor identical on every rank.
     """
-    params, grads, names = _grads_and_names(_as_tensor_list(parameters), named=False)
+    params = [p for p in _as_tensor_list(parameters) if p.grad is not None]
     total, _, _, to_scale = _global_norm(
-        grads,
-        names,
+        [p.grad for p in params],
+        None,
         _tie_keys(params, tied_parameters, "parameters"),
         norm_type,
         per_tensor=False,
@@ -410,10 +415,11 @@ def grad_norms(
     """
     if isinstance(named_parameters, torch.nn.Module):
         named_parameters = named_parameters.named_parameters()
-    params, grads, names = _grads_and_names(named_parameters, named=True)
+    named = [(n, p) for n, p in named_parameters if p.grad is not None]
+    params = [p for _, p in named]
     total, per_slot, plan, _ = _global_norm(
-        grads,
-        names,
+        [p.grad for p in params],
+        [n for n, _ in named],
         _tie_keys(params, tied_parameters, "parameters"),
         norm_type,
         per_tensor=per_tensor,

@@ -25,7 +25,7 @@ import torch
 @dataclass(frozen=True)
 class _Group:
     members: tuple[int, ...]
-    offsets: tuple[int, ...]
+    offsets: list[int]
     norm_runs: tuple[tuple[int, int], ...]
     scale_runs: tuple[tuple[int, int], ...]
 
@@ -57,11 +57,11 @@ class RunFinder:
     def __init__(self) -> None:
         self._groups: tuple[_Group, ...] = ()
         self._singles: tuple[int, ...] = ()
-        self._present: tuple[bool, ...] = ()
+        self._count = -1
 
-    def runs(self, locals_: Sequence[torch.Tensor | None], counted: Sequence[bool]) -> Runs:
-        """Split ``locals_`` (``None`` for an absent gradient) into runs; ``counted`` marks the
-        tensors whose elements this rank adds to the norm."""
+    def runs(self, locals_: Sequence[torch.Tensor], counted: Sequence[bool]) -> Runs:
+        """Split ``locals_`` into runs; ``counted`` marks the tensors whose elements this rank adds
+        to the norm (it must not change between calls of one finder)."""
         if not self._still_valid(locals_):
             self._rebuild(locals_, counted)
         to_norm: list[torch.Tensor] = []
@@ -78,26 +78,27 @@ class RunFinder:
                 to_norm.append(locals_[i])
         return Runs(to_norm, to_scale)
 
-    def _still_valid(self, locals_: Sequence[torch.Tensor | None]) -> bool:
-        if len(locals_) != len(self._present):
-            return False
-        if any((t is not None) != p for t, p in zip(locals_, self._present)):
+    def _still_valid(self, locals_: Sequence[torch.Tensor]) -> bool:
+        if len(locals_) != self._count:
             return False
         for group in self._groups:
-            base = locals_[group.members[0]]._base
-            if base is None or not base.is_contiguous():
+            members = [locals_[m] for m in group.members]
+            base = members[0]._base
+            if (
+                base is None
+                or not base.is_contiguous()
+                or not all([t._base is base for t in members])
+                or [t.storage_offset() for t in members] != group.offsets
+                or not all([t.is_contiguous() for t in members])
+            ):
                 return False
-            for m, off in zip(group.members, group.offsets):
-                t = locals_[m]
-                if t._base is not base or t.storage_offset() != off or not t.is_contiguous():
-                    return False
         return True
 
-    def _rebuild(self, locals_: Sequence[torch.Tensor | None], counted: Sequence[bool]) -> None:
+    def _rebuild(self, locals_: Sequence[torch.Tensor], counted: Sequence[bool]) -> None:
         by_base: dict[int, list[int]] = {}
         singles: list[int] = []
         for i, t in enumerate(locals_):
-            if t is None or t.numel() == 0:
+            if t.numel() == 0:
                 continue
             base = t._base
             if (
@@ -121,11 +122,11 @@ class RunFinder:
             groups.append(
                 _Group(
                     members=tuple(members),
-                    offsets=tuple(locals_[m].storage_offset() for m in members),
+                    offsets=[locals_[m].storage_offset() for m in members],
                     norm_runs=tuple(_spans([m for m in members if counted[m]], locals_)),
                     scale_runs=tuple(_spans(members, locals_)),
                 )
             )
         self._groups = tuple(groups)
         self._singles = tuple(sorted(singles))
-        self._present = tuple(t is not None for t in locals_)
+        self._count = len(locals_)
