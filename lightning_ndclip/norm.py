@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -65,10 +65,16 @@ class GradNorms:
 @dataclass
 class _CachedPlan:
     plan: NormPlan
-    fingerprint: float
     keep_alive: tuple
     finder: RunFinder = field(default_factory=RunFinder)
-    slot_index: dict = field(default_factory=dict)
+    constants: dict = field(default_factory=dict)  # device tensors made once (no per-call copies)
+
+    def constant(self, key: tuple, make: Callable[[], list]) -> torch.Tensor:
+        """A tensor built from ``make()`` on first use, cached under ``key`` (which names its device)."""
+        if key not in self.constants:
+            dtype = torch.long if key[0] == "index" else torch.float64
+            self.constants[key] = torch.tensor(make(), dtype=dtype, device=key[1])
+        return self.constants[key]
 
 
 _plans: OrderedDict[tuple, _CachedPlan] = OrderedDict()
@@ -110,7 +116,7 @@ def _cached_plan(
         group=group,
     )
     specs = tuple(g._spec for g in grads if isinstance(g, DTensor))
-    entry = _CachedPlan(plan, float(plan.fingerprint), keep_alive=(specs, pp_mesh, group))
+    entry = _CachedPlan(plan, keep_alive=(specs, pp_mesh, group))
     _plans[key] = entry
     while len(_plans) > _MAX_CACHED_PLANS:
         _plans.popitem(last=False)
@@ -187,10 +193,7 @@ def _global_norm(
     per_slot = None
     if per_tensor:
         present = [i for i, t in enumerate(locals_) if plan.counted[i] and t.numel() > 0]
-        index = entry.slot_index.get((tuple(present), device))
-        if index is None:
-            index = torch.tensor([plan.slots[i] for i in present], dtype=torch.long, device=device)
-            entry.slot_index[(tuple(present), device)] = index
+        index = entry.constant(("index", device, tuple(present)), lambda: [plan.slots[i] for i in present])
         per_slot = torch.zeros(len(plan.slot_names), dtype=torch.float64, device=device)
         per_slot.index_copy_(0, index, powers(_norms([locals_[i] for i in present], norm_type, acc, foreach)))
         local = _combine(per_slot, is_inf)
@@ -198,15 +201,14 @@ def _global_norm(
         local = _combine(powers(_norms(runs.to_norm, norm_type, acc, foreach)), is_inf)
 
     if plan.needs_collective:
-        f = entry.fingerprint
-        checks = torch.tensor([f, -f] if is_inf else [f, f * f], dtype=torch.float64, device=device)
+        f, n = float(plan.fingerprint), dist.get_world_size(plan.group)
+        checks = entry.constant(("sent", device, is_inf), lambda: [f, -f] if is_inf else [f, f * f])
+        expected = entry.constant(("expected", device, is_inf), lambda: [f, -f] if is_inf else [n * f, n * f * f])
         parts = [local.reshape(1), torch.isnan(local).to(torch.float64).reshape(1), checks]
         if per_slot is not None:
             parts.append(per_slot)
         buffer = torch.cat(parts)
         dist.all_reduce(buffer, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=plan.group)
-        n = dist.get_world_size(plan.group)
-        expected = torch.tensor([f, -f] if is_inf else [n * f, n * f * f], dtype=torch.float64, device=device)
         agreed = torch.eq(buffer[2:4], expected).all()
         if device.type == "cpu" and not agreed:
             raise RuntimeError(
