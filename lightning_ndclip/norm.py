@@ -346,6 +346,15 @@ def clip_grads_with_norm_(
 
 
 
+def _with_grads(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The parameters that have a gradient, and their gradients (``p.grad`` read once each)."""
+    grads = [p.grad for p in params]
+    if all([g is not None for g in grads]):  # not `None in grads`: that calls Tensor.__eq__
+        return params, grads
+    kept = [(p, g) for p, g in zip(params, grads) if g is not None]
+    return [p for p, _ in kept], [g for _, g in kept]
+
+
 def clip_grad_norm_(
     parameters: torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,
@@ -377,9 +386,9 @@ def clip_grad_norm_(
     Returns:
         The **pre-clip** total norm, a 0-dim tensor identical on every rank.
     """
-    params = [p for p in _as_tensor_list(parameters) if p.grad is not None]
+    params, grads = _with_grads(_as_tensor_list(parameters))
     total, _, _, to_scale = _global_norm(
-        [p.grad for p in params],
+        grads,
         None,
         _tie_keys(params, tied_parameters, "parameters"),
         norm_type,

@@ -16,6 +16,7 @@ The grouping is cached and re-validated each call with a few attribute reads per
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,6 +59,11 @@ class RunFinder:
         self._groups: tuple[_Group, ...] = ()
         self._singles: tuple[int, ...] = ()
         self._count = -1
+        # every grouped member, group after group; the index of its group; its storage offset
+        self._members: list[int] = []
+        self._group_of: list[int] = []
+        self._offsets: list[int] = []
+        self._starts: list[int] = []  # position of each group's first member in _members
 
     def runs(self, locals_: Sequence[torch.Tensor], counted: Sequence[bool]) -> Runs:
         """Split ``locals_`` into runs; ``counted`` marks the tensors whose elements this rank adds
@@ -70,8 +76,12 @@ class RunFinder:
             base = locals_[group.members[0]]._base
             flat = base.view(-1)
             origin = base.storage_offset()
-            to_norm.extend(flat[a - origin : b - origin] for a, b in group.norm_runs)
-            to_scale.extend(flat[a - origin : b - origin] for a, b in group.scale_runs)
+            scale = [flat[a - origin : b - origin] for a, b in group.scale_runs]
+            to_scale.extend(scale)
+            if group.norm_runs == group.scale_runs:  # every member counted: the same slices
+                to_norm.extend(scale)
+            else:
+                to_norm.extend(flat[a - origin : b - origin] for a, b in group.norm_runs)
         for i in self._singles:
             to_scale.append(locals_[i])
             if counted[i]:
@@ -79,20 +89,20 @@ class RunFinder:
         return Runs(to_norm, to_scale)
 
     def _still_valid(self, locals_: Sequence[torch.Tensor]) -> bool:
+        """Same count, and every grouped view still a contiguous view of its group's base at the
+        same offset (one pass over the members, no per-group Python loop)."""
         if len(locals_) != self._count:
             return False
-        for group in self._groups:
-            members = [locals_[m] for m in group.members]
-            base = members[0]._base
-            if (
-                base is None
-                or not base.is_contiguous()
-                or not all([t._base is base for t in members])
-                or [t.storage_offset() for t in members] != group.offsets
-                or not all([t.is_contiguous() for t in members])
-            ):
-                return False
-        return True
+        members = [locals_[m] for m in self._members]
+        bases = [t._base for t in members]
+        heads = [bases[k] for k in self._starts]
+        if not all([b is not None and b.is_contiguous() for b in heads]):
+            return False
+        return (
+            all(map(operator.is_, bases, [heads[g] for g in self._group_of]))
+            and [t.storage_offset() for t in members] == self._offsets
+            and all([t.is_contiguous() for t in members])
+        )
 
     def _rebuild(self, locals_: Sequence[torch.Tensor], counted: Sequence[bool]) -> None:
         by_base: dict[int, list[int]] = {}
@@ -128,5 +138,9 @@ class RunFinder:
                 )
             )
         self._groups = tuple(groups)
+        self._members = [m for g in groups for m in g.members]
+        self._group_of = [k for k, g in enumerate(groups) for _ in g.members]
+        self._offsets = [o for g in groups for o in g.offsets]
+        self._starts = [sum(len(g.members) for g in groups[:k]) for k in range(len(groups))]
         self._singles = tuple(sorted(singles))
         self._count = len(locals_)

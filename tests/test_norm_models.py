@@ -232,14 +232,16 @@ def test_run_finder_tiles_views_and_respects_gaps_and_counting():
 
 def _steps_case():
     norm_module._plans.clear()  # equal layouts of earlier tests in this worker would hit the cache
+    reference = reference_norm(list(_reference_grads(_mlp(), 2).values()), 2.0)
     model, dp_rank = _parallel_model(1, 2, 2)
     x, y = _batch()
     counts = []
-    for _ in range(3):
+    for _ in range(3):  # new gradient buffers every step: the cached runs must be re-validated
         model.zero_grad(set_to_none=True)
         nn.functional.mse_loss(model(x.chunk(2)[dp_rank]), y.chunk(2)[dp_rank]).backward()
         with CommDebugMode() as comm:
-            nd.clip_grad_norm_(model.parameters(), 1e9)
+            total = nd.clip_grad_norm_(model.parameters(), 1e9)
+        assert_close(total, reference)
         counts.append(comm.get_total_counts())
     return counts
 
