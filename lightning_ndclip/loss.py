@@ -1,0 +1,176 @@
+r"""Exact loss normalization: the mean is taken in the loss, over the *global* batch.
+
+Averaging gradients over data-parallel ranks (DDP and FSDP's default) is biased as soon as ranks
+hold different numbers of tokens: a token on a rank with :math:`N_k` tokens gets weight
+:math:`1/(W N_k)` instead of :math:`1/N`. The exact gradient of a mean over the global batch is
+
+* **global token mean** (LLMs): :math:`L = \frac{1}{N}\sum_i \ell_i`, with :math:`N` the valid
+  tokens over every data-parallel and context-parallel rank and every micro-batch of the optimizer
+  step. Each rank backpropagates :math:`\frac{1}{N}\sum_{i\ \text{local}} \ell_i`;
+* **hierarchical (per-sample) mean** (video DiT): :math:`L = \frac{1}{B}\sum_b \frac{1}{T_b}
+  \sum_{i \in b} \ell_{b,i}`, with :math:`T_b` the valid tokens of sample :math:`b` summed over the
+  context-parallel ranks that hold parts of it, and :math:`B` the samples over data-parallel ranks
+  and micro-batches (a sample split over cp ranks counts once). Each rank backpropagates
+  :math:`\sum_{i\ \text{local}} \ell_i / (B\,T_{b(i)})`;
+
+and then every data-parallel gradient reduction is a plain SUM (:mod:`lightning_ndclip.reduce`).
+
+The counts are synchronized **before** backward, as device tensors (no host sync), with one small
+all-reduce per optimizer step for the token mean and two for the hierarchical mean (per-sample
+counts over cp, sample count over dp). Edge cases: a rank or micro-batch with no valid token
+contributes zero; a window with no valid token anywhere gives a zero loss and zero gradients
+(``empty`` is true) instead of NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "SampleWeights",
+    "TokenCount",
+    "count_valid_tokens",
+    "sample_ids_from_lengths",
+    "sync_sample_weights",
+    "sync_token_count",
+]
+
+IGNORE_INDEX = -100
+"""Label value of tokens that do not count (as in ``torch.nn.functional.cross_entropy``)."""
+
+
+def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def count_valid_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """The number of labels that are not ``ignore_index``, a 0-dim int64 device tensor."""
+    return (labels != ignore_index).sum()
+
+
+@dataclass(frozen=True)
+class TokenCount:
+    """The global valid-token count of one optimizer step.
+
+    Attributes:
+        total: :math:`N`, valid tokens over the group and every micro-batch (0-dim int64 tensor).
+        empty: ``total == 0`` as a 0-dim bool tensor (the step has nothing to learn from).
+    """
+
+    total: torch.Tensor
+    empty: torch.Tensor
+
+    def normalize(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """``loss_sum / N``: the local sum of per-token losses scaled to its share of the global
+        mean (zero, not NaN, when ``N == 0``)."""
+        return loss_sum / self.total.clamp(min=1).to(loss_sum.dtype)
+
+
+def sync_token_count(
+    local_counts: torch.Tensor | Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
+) -> TokenCount:
+    """Sum the valid-token counts of this rank's micro-batches over ``group``: one all-reduce.
+
+    Args:
+        local_counts: the count of each micro-batch of the optimizer step on this rank (or their
+            sum), e.g. from :func:`count_valid_tokens`.
+        group: every rank whose tokens enter the mean: the data-parallel *and* context-parallel
+            ranks (not tp or pp peers, which see the same tokens). Default: the world.
+    """
+    if isinstance(local_counts, torch.Tensor):
+        total = local_counts.detach().to(torch.int64).sum().clone()
+    else:
+        total = torch.stack([c.detach().to(torch.int64).sum() for c in local_counts]).sum()
+    _all_reduce(total, group)
+    return TokenCount(total=total, empty=total == 0)
+
+
+def sample_ids_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    """Per-token sample ids ``0, 0, 1, 1, 1, ...`` of a packed row from its samples' lengths."""
+    return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+
+
+@dataclass(frozen=True)
+class SampleWeights:
+    """Per-token weights of the hierarchical mean for every micro-batch of one optimizer step.
+
+    Attributes:
+        weights: per micro-batch, a tensor shaped like its ``sample_ids`` holding
+            :math:`1/(B\\,T_{b(i)})` for valid tokens and 0 elsewhere.
+        tokens_per_sample: per micro-batch, :math:`T_b` of each of its samples (summed over cp).
+        num_samples: :math:`B`, samples with at least one valid token over dp and micro-batches.
+        local_samples: the samples this rank counts in :math:`B` (cp rank 0 of each sample's group
+            counts it; others 0): the weight for a sample-weighted loss metric.
+        empty: ``num_samples == 0``.
+    """
+
+    weights: list[torch.Tensor]
+    tokens_per_sample: list[torch.Tensor]
+    num_samples: torch.Tensor
+    local_samples: torch.Tensor
+    empty: torch.Tensor
+
+    def normalize(self, token_losses: torch.Tensor, micro_batch: int = 0) -> torch.Tensor:
+        """:math:`\\sum_i w_i \\ell_i` for one micro-batch: its share of the global hierarchical
+        mean (``token_losses`` shaped like that micro-batch's ``sample_ids``)."""
+        return (token_losses * self.weights[micro_batch].to(token_losses.dtype)).sum()
+
+
+def sync_sample_weights(
+    sample_ids: Sequence[torch.Tensor],
+    num_samples: Sequence[int],
+    valid: Sequence[torch.Tensor] | None = None,
+    *,
+    cp_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+) -> SampleWeights:
+    """Token weights of the hierarchical (per-sample) mean, synchronized before backward.
+
+    Two all-reduces per optimizer step: the per-sample token counts over ``cp_group`` and the
+    sample count over ``dp_group``.
+
+    Args:
+        sample_ids: per micro-batch of this rank, the sample index of every token
+            (``0 .. num_samples[m] - 1``; ``-1`` for padding), any shape. Under context parallelism
+            the ranks of a cp group hold parts of the *same* samples and use the same indices.
+        num_samples: per micro-batch, how many samples it holds (the same on every cp rank).
+        valid: optional per-micro-batch masks of tokens that count (e.g. ``labels != -100``).
+        cp_group: the context-parallel group (``None`` without context parallelism).
+        dp_group: the data-parallel group over which samples are distinct (default: the world
+            when there is no ``cp_group``). With a ``cp_group``, pass the dp group explicitly.
+    """
+    if cp_group is not None and dp_group is None:
+        raise ValueError("with a cp_group, pass dp_group too (the ranks holding distinct samples)")
+    if len(sample_ids) != len(num_samples):
+        raise ValueError(f"{len(sample_ids)} sample_ids tensors but {len(num_samples)} num_samples")
+    masks = [
+        (ids >= 0) if valid is None else (ids >= 0) & valid[m].to(torch.bool) for m, ids in enumerate(sample_ids)
+    ]
+    counts = torch.cat(
+        [torch.bincount(ids[mask].reshape(-1), minlength=n)[:n] for ids, mask, n in zip(sample_ids, masks, num_samples)]
+    ).to(torch.int64)
+    if cp_group is not None:
+        _all_reduce(counts, cp_group)
+    present = (counts > 0).sum()
+    first_cp_rank = cp_group is None or dist.get_rank(cp_group) == 0
+    local_samples = present if first_cp_rank else torch.zeros_like(present)
+    total_samples = _all_reduce(present.clone(), dp_group)
+    per_sample = counts.split(list(num_samples))
+    scale = total_samples.clamp(min=1).to(torch.float64)
+    weights = []
+    for ids, mask, t in zip(sample_ids, masks, per_sample):
+        inverse = torch.cat([1.0 / (t.clamp(min=1).to(torch.float64) * scale), scale.new_zeros(1)])
+        weights.append(inverse[torch.where(mask, ids, len(t))])  # the extra last entry: weight 0
+    return SampleWeights(
+        weights=weights,
+        tokens_per_sample=list(per_sample),
+        num_samples=total_samples,
+        local_samples=local_samples,
+        empty=total_samples == 0,
+    )
