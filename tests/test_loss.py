@@ -142,14 +142,21 @@ def _token_mean_case(shape: tuple[int, int, int], micro_batches: int, biased: bo
 
     loss_group = dp_mesh._flatten("loss").get_group() if dp_replicate > 1 else dp_mesh.get_group()
     count = sync_token_count([count_valid_tokens(b["labels"]) for b in mine], group=loss_group)
+    metric = GlobalMeanLoss(process_group=loss_group)
     for m, b in enumerate(mine):
         model.set_requires_gradient_sync(m == len(mine) - 1)  # reduce once, on the last micro-batch
         losses = _token_losses(model, b)
+        metric.update(losses.detach().sum(), count_valid_tokens(b["labels"]))
         if biased:  # the usual recipe: per-rank mean, averaged by FSDP and by accumulation
             loss = losses.sum() / count_valid_tokens(b["labels"]).clamp(min=1) / len(mine)
         else:
             loss = count.normalize(losses.sum())
         loss.backward()
+    with torch.no_grad():  # the logged loss is the single-device mean over the whole window
+        ref_model = TokenModel()
+        losses = torch.cat([_token_losses(ref_model, b).flatten() for b in window])
+        expected = float(losses.sum()) / sum(int(count_valid_tokens(b["labels"])) for b in window)
+    assert abs(float(metric.compute()) - expected) <= 1e-12 * abs(expected)
     return _max_relative_error(model, reference)
 
 
