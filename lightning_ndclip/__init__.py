@@ -1,5 +1,6 @@
 """lightning_ndclip: exact N-D parallel gradient norms, clipping and loss normalization."""
 
+from lightning_ndclip.callbacks import GlobalNormClip
 from lightning_ndclip.loss import (
     SampleWeights,
     TokenCount,
@@ -17,6 +18,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "GlobalMeanLoss",
+    "GlobalNormClip",
     "GradNorms",
     "NormPlanError",
     "SampleWeights",

@@ -265,7 +265,7 @@ def _worker_main(rank: int, world_size: int, store: str, conn: connection.Connec
     for path in (str(_REPO_ROOT), str(_TESTS_DIR)):
         if path not in sys.path:
             sys.path.insert(0, path)
-    faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=True)
+    stacks = open(stack_file, "w")  # noqa: SIM115 - kept open for the worker's lifetime
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"file://{store}")
@@ -278,6 +278,10 @@ def _worker_main(rank: int, world_size: int, store: str, conn: connection.Connec
             task = conn.recv_bytes()
         except EOFError:
             return
+        # (re-)arm the stack dump: a task may have replaced the SIGUSR1 handler, as a Lightning
+        # Trainer does when it restores the signal handlers it found at teardown
+        faulthandler.unregister(signal.SIGUSR1)  # register() alone would not re-install it
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
         try:
             module, qualname, args, kwargs = pickle.loads(task)
             fn: Any = importlib.import_module(module)

@@ -1,0 +1,178 @@
+"""``GlobalNormClip``: exact global-norm clipping and logging for any Lightning strategy."""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_ndclip.norm import GradNorms, clip_grads_with_norm_, grad_norms
+
+__all__ = ["GlobalNormClip"]
+
+NonFinitePolicy = Literal["skip", "raise", "clip"]
+
+
+class GlobalNormClip(Callback):
+    r"""Clip gradients to a global norm of at most ``max_norm`` before every optimizer step, exactly,
+    on any mesh, and log the norms.
+
+    Runs in ``on_before_optimizer_step``: after the closure (and gradient accumulation) and after the
+    fp16 grad scaler's unscale, before ``optimizer.step()``. The norm is computed by
+    :func:`lightning_ndclip.grad_norms` over the optimizer's parameters (one all-reduce once the
+    layout is known), and gradients are scaled by :math:`\min(1, \text{max\_norm}/(\text{norm} +
+    10^{-6}))`, a device tensor.
+
+    Args:
+        max_norm: the maximum global norm.
+        norm_type: p of the p-norm (any ``p > 0``, or ``inf``).
+        nonfinite: what to do when the norm is ``nan`` or ``inf`` (decided identically on every rank,
+            since the norm is): ``"skip"`` (default) drops every gradient (``grad = None``) so the
+            optimizer leaves parameters and state unchanged, counts the step in
+            ``grad_norm/skipped_steps`` and warns; ``"raise"`` raises ``RuntimeError``; ``"clip"``
+            scales anyway (gradients become non-finite, as with PyTorch). ``"skip"`` and ``"raise"``
+            read one boolean on the host per step; ``"clip"`` never synchronizes.
+        log_every_n_steps: log every so many optimizer steps; default: the Trainer's
+            ``log_every_n_steps``.
+        log_module_depth: also log ``grad_norm/<module>`` for every module prefix of this many dotted
+            name components (``1``: ``layers``, ``2``: ``layers.0``, ...); exact global norms.
+        log_name_filter: also log ``grad_norm/<name>`` for every parameter whose name matches this
+            regular expression (``re.search``).
+        pp_mesh, tied_parameters, process_group, accumulate_dtype: as in
+            :func:`lightning_ndclip.clip_grad_norm_`.
+
+    Logged (pre-clip and post-clip are both named, so neither is mistaken for the other):
+    ``grad_norm/total`` (pre-clip), ``grad_norm/clipped`` (post-clip), ``grad_norm/clip_coef``,
+    ``grad_norm/skipped_steps``.
+    """
+
+    def __init__(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        *,
+        nonfinite: NonFinitePolicy = "skip",
+        log_every_n_steps: int | None = None,
+        log_module_depth: int | None = None,
+        log_name_filter: str | None = None,
+        pp_mesh: DeviceMesh | None = None,
+        tied_parameters: Mapping[str, torch.Tensor] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        accumulate_dtype: torch.dtype | None = None,
+    ) -> None:
+        if not max_norm > 0:
+            raise ValueError(f"GlobalNormClip(max_norm=...) must be > 0, got {max_norm}")
+        if not float(norm_type) > 0:
+            raise ValueError(f"GlobalNormClip(norm_type=...) must be > 0 or inf, got {norm_type}")
+        if nonfinite not in ("skip", "raise", "clip"):
+            raise ValueError(f"GlobalNormClip(nonfinite=...) must be 'skip', 'raise' or 'clip', got {nonfinite!r}")
+        if log_module_depth is not None and log_module_depth < 1:
+            raise ValueError(f"GlobalNormClip(log_module_depth=...) must be >= 1, got {log_module_depth}")
+        self.max_norm = float(max_norm)
+        self.norm_type = float(norm_type)
+        self.nonfinite = nonfinite
+        self.log_every_n_steps = log_every_n_steps
+        self.log_module_depth = log_module_depth
+        self.log_name_filter = re.compile(log_name_filter) if log_name_filter else None
+        self._norm_kwargs = dict(
+            pp_mesh=pp_mesh,
+            tied_parameters=tied_parameters,
+            process_group=process_group,
+            accumulate_dtype=accumulate_dtype,
+        )
+        self.skipped_steps = 0
+        self._groups: tuple[tuple[str, ...], list[str], torch.Tensor] | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.gradient_clip_val is not None:
+            raise ValueError(
+                f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) and GlobalNormClip both clip "
+                "gradients. Remove gradient_clip_val: GlobalNormClip computes the exact global norm on "
+                "every mesh (Lightning's clipping is exact only on a single mesh)."
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skipped_steps = state_dict["skipped_steps"]
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        name_of = {id(p): n for n, p in pl_module.named_parameters()}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        named = [(name_of.get(id(p), f"param_group_param[{i}]"), p) for i, p in enumerate(params)]
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        log_now = trainer.logger is not None and trainer.global_step % every == 0
+        per_tensor = log_now and (self.log_module_depth is not None or self.log_name_filter is not None)
+        norms = grad_norms(named, self.norm_type, per_tensor=per_tensor, **self._norm_kwargs)
+        total = norms.total
+        coef = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
+
+        if self.nonfinite != "clip" and not bool(torch.isfinite(total)):
+            if self.nonfinite == "raise":
+                raise RuntimeError(
+                    f"GlobalNormClip: the global gradient norm is {float(total)} at step "
+                    f"{trainer.global_step} (raised on every rank; nonfinite='skip' skips such steps)"
+                )
+            for p in params:
+                p.grad = None
+            self.skipped_steps += 1
+            warnings.warn(
+                f"GlobalNormClip: non-finite global gradient norm at step {trainer.global_step}; the "
+                f"optimizer step is skipped on every rank ({self.skipped_steps} skipped so far)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        else:
+            clip_grads_with_norm_(params, self.max_norm, total)
+        if log_now:
+            self._log(pl_module, norms, coef)
+
+    def _log(self, pl_module: pl.LightningModule, norms: GradNorms, coef: torch.Tensor) -> None:
+        values = {
+            "grad_norm/total": norms.total,
+            "grad_norm/clipped": norms.total * coef,
+            "grad_norm/clip_coef": coef,
+            "grad_norm/skipped_steps": float(self.skipped_steps),
+        }
+        if norms.per_tensor is not None:
+            values.update(self._detail(norms))
+        for key, value in values.items():
+            pl_module.log(key, value, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True)
+
+    def _detail(self, norms: GradNorms) -> dict[str, torch.Tensor]:
+        """Exact per-module (``log_module_depth``) and per-parameter (``log_name_filter``) norms."""
+        assert norms.per_tensor is not None
+        out: dict[str, torch.Tensor] = {}
+        if self.log_name_filter is not None:
+            for name, value in zip(norms.names, norms.per_tensor.unbind()):
+                if self.log_name_filter.search(name):
+                    out[f"grad_norm/{name}"] = value
+        if self.log_module_depth is not None:
+            if self._groups is None or self._groups[0] != norms.names:
+                prefixes = [".".join(n.split(".")[: self.log_module_depth]) for n in norms.names]
+                labels = sorted(set(prefixes))
+                index = torch.tensor([labels.index(p) for p in prefixes], device=norms.per_tensor.device)
+                self._groups = (norms.names, labels, index)
+            _, labels, index = self._groups
+            p = self.norm_type
+            if math.isinf(p):
+                grouped = torch.zeros(len(labels), dtype=norms.per_tensor.dtype, device=index.device)
+                grouped.scatter_reduce_(0, index, norms.per_tensor, reduce="amax")
+            else:
+                grouped = torch.zeros(len(labels), dtype=torch.float64, device=index.device)
+                grouped.index_add_(0, index, norms.per_tensor.to(torch.float64).pow(p))
+                grouped = grouped.pow(1.0 / p)
+            for label, value in zip(labels, grouped.unbind()):
+                out.setdefault(f"grad_norm/{label}", value)
+        return out

@@ -1,0 +1,201 @@
+"""GlobalNormClip inside ``Trainer.fit`` with Lightning's own ModelParallelStrategy (FSDP2 x TP):
+logged norms and trained parameters equal single-device training of the same global batches."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_on_ranks
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ndclip import GlobalNormClip
+
+STEPS, LOCAL_BATCH, LR = 4, 2, 0.5
+
+
+def use_existing_process_group() -> None:
+    """Let a Trainer in a harness worker join the worker's process group, as under torchrun."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        GROUP_RANK="0", TORCHELASTIC_RUN_ID="harness", MASTER_PORT=os.environ.get("MASTER_PORT", "29999"),
+    )
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    n = 64
+    return TensorDataset(torch.randn(n, 6, generator=g, dtype=torch.float64) * 3,
+                         torch.randn(n, 3, generator=g, dtype=torch.float64))
+
+
+class Recorder(Logger):
+    """Keeps every logged value as a Python float."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+class MlpModule(L.LightningModule):
+    def __init__(self, tp: bool, nonfinite_step: int | None = None) -> None:
+        super().__init__()
+        self.net = _mlp()
+        self.tp = tp
+        self.nonfinite_step = nonfinite_step
+
+    def configure_model(self) -> None:
+        if self.tp:
+            parallelize_module(self.net, self.device_mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        for i in (0, 2, 4):
+            fully_shard(self.net[i], mesh=self.device_mesh["data_parallel"])
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        if batch_idx == self.nonfinite_step:
+            loss = loss * math.inf
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def train_dataloader(self):
+        return DataLoader(_data(), batch_size=LOCAL_BATCH, shuffle=False)
+
+
+def _reference(dp: int, max_norm: float, nonfinite_step: int | None = None) -> tuple[list[float], dict]:
+    """One device: the same global batches, in the order of the DistributedSampler Lightning injects
+    for training (shuffled with seed 0, epoch 0; rank r takes every dp-th index from r)."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = _data().tensors
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0)).tolist()
+    norms = []
+    for step in range(STEPS):
+        idx = [order[(step * LOCAL_BATCH + j) * dp + r] for r in range(dp) for j in range(LOCAL_BATCH)]
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        norms.append(float(norm))
+        if step != nonfinite_step:
+            opt.step()
+    return norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _fit_case(dp: int, tp: int, max_norm: float, tmp: str, nonfinite_step: int | None = None) -> dict:
+    use_existing_process_group()
+    recorder = Recorder()
+    module = MlpModule(tp=tp > 1, nonfinite_step=nonfinite_step)
+    clip = GlobalNormClip(max_norm, log_module_depth=2)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=dp * tp, strategy=ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp),
+        max_steps=STEPS, callbacks=[clip], logger=[recorder, TensorBoardLogger(tmp, name="tb")],
+        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    with pytest.warns(RuntimeWarning, match="non-finite") if nonfinite_step is not None else _nothing():
+        trainer.fit(module)
+    params = {n: p.full_tensor() for n, p in module.net.named_parameters()}
+    return {"rows": recorder.rows, "params": params, "skipped": clip.skipped_steps}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("dp,tp", [(2, 2), (4, 1)], ids=["fsdp2xtp2", "fsdp4"])
+def test_logged_norms_and_parameters_match_single_device(dp, tp, tmp_path):
+    ref_norms, ref_params = _reference(dp, max_norm=0.3)
+    assert max(ref_norms) > 0.3, "clipping should be active in this test"
+    results = run_on_ranks(dp * tp, _fit_case, dp, tp, 0.3, str(tmp_path))
+    rows = results[0]["rows"]
+    totals = [m["grad_norm/total"] for _, m in rows if "grad_norm/total" in m]
+    assert len(totals) == STEPS, rows
+    for ours, ref in zip(totals, ref_norms):
+        assert abs(ours - ref) <= 1e-12 * ref
+    clipped = [m["grad_norm/clipped"] for _, m in rows if "grad_norm/clipped" in m]
+    for ours, ref in zip(clipped, ref_norms):
+        assert abs(ours - min(ref, 0.3 * ref / (ref + 1e-6))) <= 1e-12 * ref
+    module_norms = [m for _, m in rows if "grad_norm/net.0" in m]  # depth 2: net.0, net.2, net.4
+    assert module_norms and {"grad_norm/net.2", "grad_norm/net.4"} <= set(module_norms[0])
+    for r in results:
+        for name, value in r["params"].items():
+            assert torch.allclose(value, ref_params[name], rtol=1e-12, atol=1e-14), name
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next(Path(tmp_path).glob("tb/version_*")))).Reload()
+    assert {"grad_norm/total", "grad_norm/clipped", "grad_norm/clip_coef", "grad_norm/skipped_steps"} <= set(
+        events.Tags()["scalars"]
+    )
+
+
+def test_nonfinite_step_is_skipped_on_every_rank(tmp_path):
+    _, ref_params = _reference(2, max_norm=0.3, nonfinite_step=1)  # step 1 skipped
+    results = run_on_ranks(2, _fit_case, 2, 1, 0.3, str(tmp_path), 1)
+    assert [r["skipped"] for r in results] == [1, 1]
+    for r in results:
+        for name, value in r["params"].items():
+            assert torch.allclose(value, ref_params[name], rtol=1e-12, atol=1e-14), name
+    totals = [m["grad_norm/total"] for _, m in results[0]["rows"] if "grad_norm/total" in m]
+    skipped = [m["grad_norm/skipped_steps"] for _, m in results[0]["rows"] if "grad_norm/skipped_steps" in m]
+    assert not math.isfinite(totals[1]) and skipped == [0.0, 1.0, 1.0, 1.0]
+
+
+def _conflict_case() -> str:
+    use_existing_process_group()
+    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[GlobalNormClip(1.0)], gradient_clip_val=1.0,
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(ValueError) as info:
+        trainer.fit(MlpModule(tp=False))
+    return str(info.value)
+
+
+def test_gradient_clip_val_conflict_is_a_clear_error():
+    (message,) = run_on_ranks(1, _conflict_case)
+    assert "gradient_clip_val=1.0" in message and "GlobalNormClip" in message
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [({"max_norm": 0.0}, "max_norm"), ({"max_norm": 1.0, "nonfinite": "ignore"}, "nonfinite"),
+     ({"max_norm": 1.0, "norm_type": -1.0}, "norm_type"), ({"max_norm": 1.0, "log_module_depth": 0}, "log_module_depth")],
+)
+def test_bad_arguments_name_the_parameter(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GlobalNormClip(**kwargs)
