@@ -9,10 +9,12 @@ from lightning_ndclip.loss import (
     sync_sample_weights,
     sync_token_count,
 )
+from lightning_ndclip.mesh import ParallelDims, ParallelMeshes
 from lightning_ndclip.metrics import GlobalMeanLoss
 from lightning_ndclip.norm import GradNorms, clip_grad_norm_, clip_grads_with_norm_, get_total_norm, grad_norms
 from lightning_ndclip.plan import NormPlanError
 from lightning_ndclip.reduce import sum_allreduce_hook, use_sum_reduction
+from lightning_ndclip.strategy import NDParallelStrategy
 
 __version__ = "0.1.0.dev0"
 
@@ -20,7 +22,10 @@ __all__ = [
     "GlobalMeanLoss",
     "GlobalNormClip",
     "GradNorms",
+    "NDParallelStrategy",
     "NormPlanError",
+    "ParallelDims",
+    "ParallelMeshes",
     "SampleWeights",
     "TokenCount",
     "clip_grad_norm_",

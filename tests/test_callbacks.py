@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ndclip import GlobalNormClip
+from lightning_ndclip import GlobalNormClip, NDParallelStrategy
 
 STEPS, LOCAL_BATCH, LR = 4, 2, 0.5
 
@@ -75,11 +75,16 @@ class MlpModule(L.LightningModule):
         self.nonfinite_step = nonfinite_step
 
     def configure_model(self) -> None:
+        strategy = self.trainer.strategy
+        if isinstance(strategy, NDParallelStrategy):
+            tp_mesh, dp_mesh = self.device_mesh["tp"], strategy.meshes["dp_shard_cp"]
+        else:
+            tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
         if self.tp:
-            parallelize_module(self.net, self.device_mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            parallelize_module(self.net, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
         for i in (0, 2, 4):
-            fully_shard(self.net[i], mesh=self.device_mesh["data_parallel"])
-        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+            fully_shard(self.net[i], mesh=dp_mesh)
+        fully_shard(self.net, mesh=dp_mesh)
 
     def training_step(self, batch, batch_idx):
         x, y = batch

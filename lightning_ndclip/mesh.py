@@ -1,0 +1,126 @@
+"""Parallel dimensions: validation and the device mesh.
+
+The world is laid out as ``pp x dp_replicate x dp_shard x cp x tp`` (outermost first, so tensor
+parallel peers are neighbouring ranks). Flattened views name what each part of the code needs:
+
+========== ============================ ===================================================
+view        dims                         used for
+========== ============================ ===================================================
+``dp``      dp_replicate, dp_shard       the batch dims: each rank of it loads its own data
+``dp_shard_cp`` dp_shard, cp             FSDP2 sharding (context-parallel ranks shard too)
+``dp_cp``   dp_replicate, dp_shard, cp   the loss dims: token and sample counts, ``sync_dist``
+========== ============================ ===================================================
+
+Expert parallelism is carved out of ``dp_shard x cp``: ``ep`` must divide it; the expert mesh
+itself is built by the expert-parallel code (dense weights stay on the dims above).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["MESH_DIM_NAMES", "ParallelDims", "ParallelMeshes"]
+
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""Names of the world mesh dims, outermost first."""
+
+_FLATTENED = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
+@dataclass(frozen=True)
+class ParallelMeshes:
+    """The world mesh and its flattened views, by name: ``meshes["tp"]``, ``meshes["dp_cp"]``.
+
+    Attributes:
+        world: the full mesh over :data:`MESH_DIM_NAMES`.
+        flattened: the flattened views (kept here: PyTorch deprecates slicing them from the root).
+    """
+
+    world: DeviceMesh
+    flattened: dict[str, DeviceMesh]
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        if name in self.flattened:
+            return self.flattened[name]
+        if name in MESH_DIM_NAMES:
+            return self.world[name]
+        raise KeyError(f"no mesh dim or view named {name!r}; have {MESH_DIM_NAMES + tuple(self.flattened)}")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the parallel dims, checked against the world size before any collective.
+
+    Attributes:
+        world_size: the number of ranks.
+        dp_replicate: data-parallel replicas (HSDP's replicate dim, or plain DDP-style replication).
+        dp_shard: FSDP2 sharding degree; ``-1`` takes whatever the other dims leave.
+        cp: context parallel (sequence sharding).
+        tp: tensor parallel.
+        pp: pipeline stages.
+        ep: expert parallel, carved out of ``dp_shard x cp`` (must divide it).
+    """
+
+    world_size: int
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{f.name} must be an int, got {value!r}")
+            if value < 1 and not (f.name == "dp_shard" and value == -1):
+                allowed = "a positive int or -1" if f.name == "dp_shard" else "a positive int"
+                raise ValueError(f"{f.name} must be {allowed}, got {value}")
+        others = self.pp * self.dp_replicate * self.cp * self.tp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise ValueError(
+                    f"dp_shard=-1 cannot fill the world: pp={self.pp} x dp_replicate={self.dp_replicate} x "
+                    f"cp={self.cp} x tp={self.tp} = {others} does not divide world_size={self.world_size}"
+                )
+            object.__setattr__(self, "dp_shard", self.world_size // others)
+        product = others * self.dp_shard
+        if product != self.world_size:
+            raise ValueError(
+                f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x "
+                f"tp={self.tp} = {product}, but world_size={self.world_size}"
+            )
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(
+                f"ep={self.ep} must divide dp_shard x cp = {self.dp_shard} x {self.cp} = "
+                f"{self.dp_shard * self.cp}, the ranks experts are carved out of"
+            )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The world mesh shape, in :data:`MESH_DIM_NAMES` order."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    @property
+    def batch_size(self) -> int:
+        """How many ranks load distinct data (``dp_replicate x dp_shard``)."""
+        return self.dp_replicate * self.dp_shard
+
+    def build_mesh(self, device_type: str) -> ParallelMeshes:
+        """The world mesh with every dim of :data:`MESH_DIM_NAMES` (size-1 dims included, so names
+        are stable) and the flattened views ``dp``, ``dp_shard_cp`` and ``dp_cp``."""
+        world = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
+        return ParallelMeshes(world, {name: world[dims]._flatten(name) for name, dims in _FLATTENED.items()})
+
+    def describe(self) -> str:
+        """``pp=1 x dp_replicate=1 x dp_shard=4 x cp=1 x tp=2 (ep=1)``, for logs and errors."""
+        dims = " x ".join(f"{n}={s}" for n, s in zip(MESH_DIM_NAMES, self.shape))
+        return f"{dims} (ep={self.ep}) = {math.prod(self.shape)} ranks"
