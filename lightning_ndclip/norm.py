@@ -69,12 +69,12 @@ class _CachedPlan:
     finder: RunFinder = field(default_factory=RunFinder)
     constants: dict = field(default_factory=dict)  # device tensors made once (no per-call copies)
 
-    def constant(self, key: tuple, make: Callable[[], list]) -> torch.Tensor:
-        """A tensor built from ``make()`` on first use, cached under ``key`` (which names its device)."""
-        if key not in self.constants:
-            dtype = torch.long if key[0] == "index" else torch.float64
-            self.constants[key] = torch.tensor(make(), dtype=dtype, device=key[1])
-        return self.constants[key]
+    def constant(self, key: tuple, device: torch.device, dtype: torch.dtype, make: Callable[[], list]) -> torch.Tensor:
+        """``torch.tensor(make())`` on ``device``, built on first use and cached under ``key``."""
+        full_key = (key, device, dtype)
+        if full_key not in self.constants:
+            self.constants[full_key] = torch.tensor(make(), dtype=dtype, device=device)
+        return self.constants[full_key]
 
 
 _plans: OrderedDict[tuple, _CachedPlan] = OrderedDict()
@@ -193,7 +193,7 @@ def _global_norm(
     per_slot = None
     if per_tensor:
         present = [i for i, t in enumerate(locals_) if plan.counted[i] and t.numel() > 0]
-        index = entry.constant(("index", device, tuple(present)), lambda: [plan.slots[i] for i in present])
+        index = entry.constant(tuple(present), device, torch.long, lambda: [plan.slots[i] for i in present])
         per_slot = torch.zeros(len(plan.slot_names), dtype=torch.float64, device=device)
         per_slot.index_copy_(0, index, powers(_norms([locals_[i] for i in present], norm_type, acc, foreach)))
         local = _combine(per_slot, is_inf)
@@ -202,8 +202,10 @@ def _global_norm(
 
     if plan.needs_collective:
         f, n = float(plan.fingerprint), dist.get_world_size(plan.group)
-        checks = entry.constant(("sent", device, is_inf), lambda: [f, -f] if is_inf else [f, f * f])
-        expected = entry.constant(("expected", device, is_inf), lambda: [f, -f] if is_inf else [n * f, n * f * f])
+        checks = entry.constant(("sent", is_inf), device, torch.float64, lambda: [f, -f] if is_inf else [f, f * f])
+        expected = entry.constant(
+            ("expected", is_inf), device, torch.float64, lambda: [f, -f] if is_inf else [n * f, n * f * f]
+        )
         parts = [local.reshape(1), torch.isnan(local).to(torch.float64).reshape(1), checks]
         if per_slot is not None:
             parts.append(per_slot)
