@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
-from typing import Any
+from itertools import islice
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -11,8 +13,10 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_ndclip.mesh import ParallelDims, ParallelMeshes
+from lightning_ndclip.loss import sync_token_count
 from lightning_ndclip.reduce import use_sum_reduction
 
 __all__ = ["NDParallelStrategy"]
@@ -39,10 +43,20 @@ class NDParallelStrategy(ModelParallelStrategy):
         tp: tensor-parallel degree.
         pp: pipeline-parallel degree.
         ep: expert-parallel degree, carved out of ``dp_shard x cp`` (must divide it).
+        loss_normalization: ``None`` (default): ``training_step`` returns the usual per-rank mean
+            loss, reduced as Lightning and FSDP do. ``"token_mean"``: the exact global token mean.
+            The LightningModule defines ``count_tokens(batch) -> Tensor`` (valid tokens of a raw
+            batch) and ``training_step`` returns the **sum** of its per-token losses (a tensor, or a
+            dict whose ``"loss"`` is that sum). The strategy reads every micro-batch of an
+            accumulation window ahead, sums their counts over the loss dims ``dp_cp`` in one
+            all-reduce, scales each micro-batch's loss by ``accumulate_grad_batches / N`` before
+            backward (undoing Lightning's division by ``accumulate_grad_batches``, also for a partial
+            window at the end of an epoch), makes every FSDP2 reduction a SUM and lets FSDP2 reduce
+            only on the last micro-batch of a window. A window without valid tokens gives zero
+            gradients, not NaN.
         sum_reduction: make every FSDP2 gradient reduction a plain SUM after ``configure_model``
-            (:func:`lightning_ndclip.use_sum_reduction`). Use it when ``training_step`` returns a loss
-            already normalized by the *global* count (:mod:`lightning_ndclip.loss`); leave it off
-            for the usual per-rank mean loss, which FSDP then averages.
+            (:func:`lightning_ndclip.use_sum_reduction`), for a ``training_step`` that normalizes its
+            loss by global counts itself. Implied by ``loss_normalization``.
         save_distributed_checkpoint: save one shard per rank (``True``) or a full checkpoint on rank 0.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: from the accelerator.
         timeout: process-group timeout.
@@ -60,6 +74,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         pp: int = 1,
         ep: int = 1,
         *,
+        loss_normalization: Literal["token_mean"] | None = None,
         sum_reduction: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -74,8 +89,12 @@ class NDParallelStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        if loss_normalization not in (None, "token_mean"):
+            raise ValueError(f"loss_normalization must be None or 'token_mean', got {loss_normalization!r}")
         self._sizes = sizes
-        self._sum_reduction = sum_reduction
+        self._loss_normalization = loss_normalization
+        self._sum_reduction = sum_reduction or loss_normalization is not None
+        self._windows: TokenWindows | None = None
         self._dims: ParallelDims | None = None
         self._meshes: ParallelMeshes | None = None
 
@@ -108,6 +127,11 @@ class NDParallelStrategy(ModelParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh
 
     def setup(self, trainer: pl.Trainer) -> None:
+        if self._loss_normalization and not callable(getattr(self.lightning_module, "count_tokens", None)):
+            raise TypeError(
+                "NDParallelStrategy(loss_normalization='token_mean') needs the LightningModule to define "
+                "count_tokens(batch) -> Tensor, the number of valid tokens in a raw batch"
+            )
         super().setup(trainer)
         if self._sum_reduction:
             assert self.model is not None
@@ -116,6 +140,30 @@ class NDParallelStrategy(ModelParallelStrategy):
                     "NDParallelStrategy(sum_reduction=True) found no fully_shard unit in the model after "
                     "configure_model(); apply fully_shard there, or leave sum_reduction off"
                 )
+
+    def process_dataloader(self, dataloader: object) -> object:
+        if self._loss_normalization is None or self.lightning_module is None:
+            return dataloader
+        trainer = self.lightning_module.trainer
+        if trainer.training:
+            self._windows = TokenWindows(dataloader, self, trainer)
+            return self._windows
+        return dataloader
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._windows is None:
+            return super().training_step(*args, **kwargs)
+        batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
+        total, last = self._windows.window_of(batch_idx)
+        assert self.model is not None
+        for unit in self.model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_requires_gradient_sync(last, recurse=False)
+        output = super().training_step(*args, **kwargs)
+        loss = output["loss"] if isinstance(output, Mapping) else output
+        # in the loss dtype: an int count divided in float32 would cost float64 losses 7 digits
+        scaled = loss * (self.lightning_module.trainer.accumulate_grad_batches / total.to(loss.dtype).clamp(min=1))
+        return {**output, "loss": scaled} if isinstance(output, Mapping) else scaled
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -139,3 +187,47 @@ class NDParallelStrategy(ModelParallelStrategy):
 
 
 NDParallelStrategy.register_strategies(StrategyRegistry)
+
+
+class TokenWindows:
+    """Wraps the training dataloader: reads each accumulation window ahead, counts its valid tokens
+    over the loss dims in one all-reduce, then yields the window's batches one by one.
+
+    Windows follow Lightning's accumulation: ``accumulate_grad_batches`` consecutive batches from
+    the start of the epoch, the last one shorter when the epoch (or ``limit_train_batches``) ends.
+    """
+
+    def __init__(self, dataloader: Any, strategy: NDParallelStrategy, trainer: pl.Trainer) -> None:
+        self.dataloader = dataloader
+        self._strategy = strategy
+        self._trainer = trainer
+        self._windows: dict[int, tuple[torch.Tensor, bool]] = {}
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def __getattr__(self, name: str) -> Any:  # sampler, batch_size, ... of the wrapped loader
+        return getattr(self.__dict__["dataloader"], name)
+
+    def window_of(self, batch_idx: int) -> tuple[torch.Tensor, bool]:
+        """The global token count of ``batch_idx``'s window and whether it is the window's last batch."""
+        return self._windows.pop(batch_idx)
+
+    def __iter__(self) -> Iterator[Any]:
+        module = self._strategy.lightning_module
+        group = self._strategy.meshes["dp_cp"].get_group()
+        every = self._trainer.accumulate_grad_batches
+        limit = self._trainer.num_training_batches
+        self._windows.clear()
+        batches = iter(self.dataloader)
+        index = 0
+        while index < limit:
+            window = list(islice(batches, int(min(every, limit - index))))
+            if not window:
+                return
+            counts = [torch.as_tensor(module.count_tokens(b)).to(self._strategy.root_device) for b in window]
+            total = sync_token_count(counts, group=group).total
+            for position, batch in enumerate(window):
+                self._windows[index] = (total, position == len(window) - 1)
+                index += 1
+                yield batch

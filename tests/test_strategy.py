@@ -9,8 +9,11 @@ import torch
 from harness import run_on_ranks
 from lightning.pytorch.strategies import StrategyRegistry
 from test_callbacks import STEPS, MlpModule, Recorder, _reference, use_existing_process_group
+from test_loss import TokenModel, _packed_batch, _token_losses
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ndclip import GlobalNormClip, NDParallelStrategy, ParallelDims
+from lightning_ndclip import GlobalNormClip, NDParallelStrategy, ParallelDims, count_valid_tokens
 
 
 @pytest.mark.parametrize(
@@ -98,3 +101,106 @@ def test_fit_matches_single_device(dp, tp):
     for ours, ref in zip(results[0]["norms"], ref_norms):
         assert abs(ours - ref) <= 1e-12 * ref
     assert results[0]["dims"].startswith(f"pp=1 x dp_replicate=1 x dp_shard={dp} x cp=1 x tp={tp}")
+
+
+# --- loss_normalization="token_mean": exact global token mean with gradient accumulation ---
+
+ACCUMULATE, BATCHES, ROWS_PER_RANK, TOKEN_LR = 3, 5, 2, 0.3  # windows of 3 and 2 micro-batches
+
+
+def _token_rows() -> TensorDataset:
+    batch = _packed_batch(7, 48)  # variable-length samples, padding and masked tokens
+    return TensorDataset(batch["tokens"], batch["labels"])
+
+
+class _TokenModule(L.LightningModule):
+    def __init__(self, mean_per_rank: bool = False) -> None:
+        super().__init__()
+        self.model = TokenModel()
+        self.mean_per_rank = mean_per_rank
+
+    def configure_model(self) -> None:
+        mesh = self.trainer.strategy.meshes["dp_shard_cp"]
+        for name in ("embed", "up", "down", "head"):
+            fully_shard(getattr(self.model, name), mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def count_tokens(self, batch) -> torch.Tensor:
+        return count_valid_tokens(batch[1])
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        losses = _token_losses(self.model, {"tokens": tokens, "labels": labels})
+        if self.mean_per_rank:  # the usual recipe: a per-rank mean
+            return losses.sum() / count_valid_tokens(labels).clamp(min=1)
+        return losses.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=TOKEN_LR)
+
+    def train_dataloader(self):
+        return DataLoader(_token_rows(), batch_size=ROWS_PER_RANK, shuffle=False)
+
+
+def _token_reference(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One device: per window, the sum of every token loss of every rank's micro-batches divided by
+    the window's valid tokens; clipped; SGD."""
+    model = TokenModel()
+    opt = torch.optim.SGD(model.parameters(), lr=TOKEN_LR)
+    tokens, labels = _token_rows().tensors
+    order = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(0)).tolist()
+    norms = []
+    for window in ([0, 1, 2], [3, 4]):
+        rows = [order[(j * ROWS_PER_RANK + t) * dp + r] for j in window for r in range(dp) for t in range(ROWS_PER_RANK)]
+        batch = {"tokens": tokens[rows], "labels": labels[rows]}
+        opt.zero_grad()
+        (_token_losses(model, batch).sum() / count_valid_tokens(batch["labels"])).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+    return norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _token_fit_case(dp: int, normalize: bool) -> dict:
+    use_existing_process_group()
+    recorder = Recorder()
+    module = _TokenModule(mean_per_rank=not normalize)
+    strategy = NDParallelStrategy(dp_shard=dp, loss_normalization="token_mean" if normalize else None)
+    trainer = _trainer(strategy, devices=dp, max_steps=-1, max_epochs=1, limit_train_batches=BATCHES,
+                       accumulate_grad_batches=ACCUMULATE, callbacks=[GlobalNormClip(0.05)], logger=recorder)
+    trainer.fit(module)
+    return {
+        "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m],
+        "params": {n: p.detach().full_tensor() for n, p in module.model.named_parameters()},
+    }
+
+
+def _worst(results: list[dict], reference: dict[str, torch.Tensor]) -> float:
+    return max(
+        float((value - reference[name]).norm() / reference[name].norm())
+        for r in results
+        for name, value in r["params"].items()
+    )
+
+
+def test_token_mean_with_accumulation_and_a_partial_window_matches_single_device():
+    ref_norms, ref_params = _token_reference(2)
+    results = run_on_ranks(2, _token_fit_case, 2, True)
+    assert _worst(results, ref_params) < 1e-10
+    assert len(results[0]["norms"]) == 2
+    for ours, ref in zip(results[0]["norms"], ref_norms):
+        assert abs(ours - ref) <= 1e-10 * ref
+    biased = run_on_ranks(2, _token_fit_case, 2, False)
+    assert _worst(biased, ref_params) > 1e-4, "the per-rank mean recipe should be detectably wrong"
+
+
+def _missing_count_tokens_case() -> str:
+    use_existing_process_group()
+    trainer = _trainer(NDParallelStrategy(loss_normalization="token_mean"), devices=1, logger=False)
+    with pytest.raises(TypeError) as info:
+        trainer.fit(MlpModule(tp=False))
+    return str(info.value)
+
+
+def test_token_mean_requires_count_tokens():
+    (message,) = run_on_ranks(1, _missing_count_tokens_case)
+    assert "count_tokens(batch)" in message
