@@ -36,6 +36,9 @@ class NDParallelStrategy(ModelParallelStrategy):
     dims ``dp_cp``, not over tp or pp copies. Checkpoints are distributed checkpoints, as in
     Lightning's ``ModelParallelStrategy``.
 
+    Precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` (and ``"16-true"``), as Lightning's
+    ``ModelParallelStrategy``, which refuses ``"16-mixed"`` when the Trainer is built.
+
     Args:
         dp_replicate: data-parallel replicas (HSDP's replicate dim).
         dp_shard: FSDP2 sharding degree; ``-1`` (default) takes the ranks the other dims leave.

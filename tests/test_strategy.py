@@ -204,3 +204,34 @@ def _missing_count_tokens_case() -> str:
 def test_token_mean_requires_count_tokens():
     (message,) = run_on_ranks(1, _missing_count_tokens_case)
     assert "count_tokens(batch)" in message
+
+
+def _precision_case(precision: str) -> list[float]:
+    use_existing_process_group()
+    recorder = Recorder()
+    module = MlpModule(tp=False)
+    if precision == "bf16-true":
+        module.net.float()  # bf16-true converts floating-point modules; start from fp32 weights
+
+    def make() -> L.Trainer:
+        return _trainer(NDParallelStrategy(), devices=2, max_steps=2, precision=precision,
+                        callbacks=[GlobalNormClip(0.3)], logger=recorder)
+    if precision == "16-mixed":
+        with pytest.raises(ValueError) as info:
+            make()
+        return [str(info.value)]
+    make().fit(module)
+    return [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m]
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_precisions_train_with_a_close_global_norm(precision):
+    ref_norms, _ = _reference(2, max_norm=0.3)
+    norms = run_on_ranks(2, _precision_case, precision)[0]
+    assert len(norms) == 2
+    assert abs(norms[0] - ref_norms[0]) <= 2e-2 * ref_norms[0]  # bf16 forward/backward, fp32 norm
+
+
+def test_fp16_mixed_is_refused_with_the_reason():
+    for (message,) in run_on_ranks(2, _precision_case, "16-mixed"):
+        assert "does not support" in message and "16-mixed" in message and "bf16-mixed" in message
