@@ -235,3 +235,35 @@ def test_bf16_precisions_train_with_a_close_global_norm(precision):
 def test_fp16_mixed_is_refused_with_the_reason():
     for (message,) in run_on_ranks(2, _precision_case, "16-mixed"):
         assert "does not support" in message and "16-mixed" in message and "bf16-mixed" in message
+
+
+class _AdamModule(MlpModule):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def _resume_case(directory: str) -> dict:
+    use_existing_process_group()
+
+    def trainer(epochs: int) -> L.Trainer:
+        return _trainer(NDParallelStrategy(dp_shard=2, tp=2), devices=4, max_steps=-1, max_epochs=epochs,
+                        limit_train_batches=2, callbacks=[GlobalNormClip(0.3)], logger=False)
+
+    straight = _AdamModule(tp=True)
+    trainer(3).fit(straight)
+    first = trainer(1)
+    first.fit(_AdamModule(tp=True))
+    first.save_checkpoint(f"{directory}/epoch1.ckpt")
+    resumed = _AdamModule(tp=True)
+    with torch.no_grad():  # only a real restore of weights (and Adam state) can undo this
+        for p in resumed.net.parameters():
+            p.add_(1.0)
+    trainer(3).fit(resumed, ckpt_path=f"{directory}/epoch1.ckpt")
+    full = lambda m: {n: p.detach().full_tensor() for n, p in m.net.named_parameters()}  # noqa: E731
+    return {"straight": full(straight), "resumed": full(resumed)}
+
+
+def test_resume_from_a_distributed_checkpoint_equals_an_uninterrupted_run(tmp_path):
+    for r in run_on_ranks(4, _resume_case, str(tmp_path)):
+        for name, value in r["straight"].items():
+            assert torch.equal(value, r["resumed"][name]), name
