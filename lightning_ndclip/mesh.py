@@ -9,6 +9,7 @@ view        dims                         used for
 ``dp``      dp_replicate, dp_shard       the batch dims: each rank of it loads its own data
 ``dp_shard_cp`` dp_shard, cp             FSDP2 sharding (context-parallel ranks shard too)
 ``dp_cp``   dp_replicate, dp_shard, cp   the loss dims: token and sample counts, ``sync_dist``
+``fsdp``    dp_replicate x dp_shard_cp   ``fully_shard``'s mesh: 2-D (HSDP) when dp_replicate > 1
 ========== ============================ ===================================================
 
 Expert parallelism is carved out of ``dp_shard x cp``: ``ep`` must divide it; the expert mesh
@@ -116,9 +117,15 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> ParallelMeshes:
         """The world mesh with every dim of :data:`MESH_DIM_NAMES` (size-1 dims included, so names
-        are stable) and the flattened views ``dp``, ``dp_shard_cp`` and ``dp_cp``."""
+        are stable) and the views ``dp``, ``dp_shard_cp``, ``dp_cp`` and ``fsdp``."""
         world = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
-        return ParallelMeshes(world, {name: world[dims]._flatten(name) for name, dims in _FLATTENED.items()})
+        views = {name: world[dims]._flatten(name) for name, dims in _FLATTENED.items()}
+        views["fsdp"] = (
+            DeviceMesh._concatenate([world["dp_replicate"], views["dp_shard_cp"]])
+            if self.dp_replicate > 1
+            else views["dp_shard_cp"]
+        )
+        return ParallelMeshes(world, views)
 
     def describe(self) -> str:
         """``pp=1 x dp_replicate=1 x dp_shard=4 x cp=1 x tp=2 (ep=1)``, for logs and errors."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from itertools import islice
 from typing import Any, Literal
@@ -13,9 +13,13 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
-from torch.distributed.fsdp import FSDPModule
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_ndclip.mesh import ParallelDims, ParallelMeshes
+from lightning_ndclip.parallelize import parallelize
 from lightning_ndclip.loss import sync_token_count
 from lightning_ndclip.reduce import use_sum_reduction
 
@@ -57,6 +61,13 @@ class NDParallelStrategy(ModelParallelStrategy):
             window at the end of an epoch), makes every FSDP2 reduction a SUM and lets FSDP2 reduce
             only on the last micro-batch of a window. A window without valid tokens gives zero
             gradients, not NaN.
+        tp_plan: declarative tensor parallelism, ``{module name: ParallelStyle}`` (see
+            :func:`lightning_ndclip.parallelize.parallelize`).
+        fsdp_units: module classes that each become a ``fully_shard`` unit (the root always does).
+        activation_checkpointing: module classes whose activations are recomputed in backward.
+        mp_policy: FSDP2 ``MixedPrecisionPolicy``.
+            Giving any of these four parallelizes a plain LightningModule with no parallel code; the
+            module must then not override ``configure_model`` (one way or the other, not both).
         sum_reduction: make every FSDP2 gradient reduction a plain SUM after ``configure_model``
             (:func:`lightning_ndclip.use_sum_reduction`), for a ``training_step`` that normalizes its
             loss by global counts itself. Implied by ``loss_normalization``.
@@ -78,6 +89,10 @@ class NDParallelStrategy(ModelParallelStrategy):
         ep: int = 1,
         *,
         loss_normalization: Literal["token_mean"] | None = None,
+        tp_plan: Mapping[str, ParallelStyle] | None = None,
+        fsdp_units: Sequence[type[nn.Module]] = (),
+        activation_checkpointing: Sequence[type[nn.Module]] = (),
+        mp_policy: MixedPrecisionPolicy | None = None,
         sum_reduction: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -97,6 +112,12 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._sizes = sizes
         self._loss_normalization = loss_normalization
         self._sum_reduction = sum_reduction or loss_normalization is not None
+        if tp_plan and tp == 1:
+            raise ValueError("NDParallelStrategy(tp_plan=...) needs tp > 1")
+        self._plan = dict(
+            tp_plan=tp_plan, fsdp_units=tuple(fsdp_units), activation_checkpointing=tuple(activation_checkpointing),
+            mp_policy=mp_policy,
+        )
         self._windows: TokenWindows | None = None
         self._dims: ParallelDims | None = None
         self._meshes: ParallelMeshes | None = None
@@ -128,6 +149,23 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._device_mesh = self._meshes.world
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+        if any(self._plan.values()):
+            self._install_declarative_plan(self.lightning_module)
+
+    def _install_declarative_plan(self, module: pl.LightningModule) -> None:
+        """Give a plain LightningModule a ``configure_model`` that applies the strategy's plan, so the
+        Trainer runs it at the usual point (inside the strategy's init context)."""
+        if is_overridden("configure_model", module):
+            raise ValueError(
+                f"{type(module).__name__} overrides configure_model() and NDParallelStrategy was given a "
+                "declarative plan (tp_plan / fsdp_units / activation_checkpointing / mp_policy): use one"
+            )
+        meshes, plan = self.meshes, self._plan
+
+        def configure_model() -> None:
+            parallelize(module, meshes, **plan)
+
+        module.configure_model = configure_model
 
     def setup(self, trainer: pl.Trainer) -> None:
         if self._loss_normalization and not callable(getattr(self.lightning_module, "count_tokens", None)):

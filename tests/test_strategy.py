@@ -10,7 +10,8 @@ from harness import run_on_ranks
 from lightning.pytorch.strategies import StrategyRegistry
 from test_callbacks import STEPS, MlpModule, Recorder, _reference, use_existing_process_group
 from test_loss import TokenModel, _packed_batch, _token_losses
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ndclip import GlobalNormClip, NDParallelStrategy, ParallelDims, count_valid_tokens
@@ -267,3 +268,67 @@ def test_resume_from_a_distributed_checkpoint_equals_an_uninterrupted_run(tmp_pa
     for r in run_on_ranks(4, _resume_case, str(tmp_path)):
         for name, value in r["straight"].items():
             assert torch.equal(value, r["resumed"][name]), name
+
+
+# --- declarative parallelization: a LightningModule with no parallel code ---
+
+
+class _PlainModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = MlpModule(tp=False).net
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    configure_optimizers = MlpModule.configure_optimizers
+    train_dataloader = MlpModule.train_dataloader
+
+
+def _declarative_case(dp_replicate: int, dp_shard: int, tp: int) -> dict:
+    use_existing_process_group()
+    recorder = Recorder()
+    module = _PlainModule()
+    plan = {"net.0": ColwiseParallel(), "net.2": RowwiseParallel()} if tp > 1 else None
+    strategy = NDParallelStrategy(
+        dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, tp_plan=plan,
+        fsdp_units=(torch.nn.Linear,), activation_checkpointing=(torch.nn.Tanh,),
+    )
+    trainer = _trainer(strategy, devices=dp_replicate * dp_shard * tp, callbacks=[GlobalNormClip(0.3)], logger=recorder)
+    trainer.fit(module)
+    units = sum(isinstance(m, FSDPModule) for m in module.modules())
+    return {
+        "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m],
+        "params": {n: p.detach().full_tensor() for n, p in module.net.named_parameters()},
+        "units": units,
+        "placements": sorted({str(p.placements) for p in module.parameters()}),
+    }
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 2), (2, 2, 1)], ids=["fsdp2xtp2", "hsdp2x2"])
+def test_declarative_plan_parallelizes_a_plain_module_exactly(shape):
+    dp = shape[0] * shape[1]
+    ref_norms, ref_params = _reference(dp, max_norm=0.3)
+    results = run_on_ranks(shape[0] * shape[1] * shape[2], _declarative_case, *shape)
+    for r in results:
+        assert r["units"] == 4  # three Linear units and the root
+        for name, value in r["params"].items():
+            assert torch.allclose(value, ref_params[name], rtol=1e-12, atol=1e-14), name
+    for ours, ref in zip(results[0]["norms"], ref_norms):
+        assert abs(ours - ref) <= 1e-12 * ref
+    if shape[0] > 1:
+        assert any("Replicate()" in p for p in results[0]["placements"]), "HSDP should replicate over dp_replicate"
+
+
+def _both_ways_case() -> str:
+    use_existing_process_group()
+    strategy = NDParallelStrategy(fsdp_units=(torch.nn.Linear,))
+    with pytest.raises(ValueError) as info:
+        _trainer(strategy, devices=1, logger=False).fit(MlpModule(tp=False))
+    return str(info.value)
+
+
+def test_declarative_plan_and_configure_model_together_is_an_error():
+    (message,) = run_on_ranks(1, _both_ways_case)
+    assert "overrides configure_model()" in message and "use one" in message

@@ -1,0 +1,79 @@
+"""Declarative parallelization: tensor parallel, activation checkpointing and FSDP2 from arguments.
+
+A plain function, readable top to bottom, that :class:`~lightning_ndclip.NDParallelStrategy`
+applies when it is given a plan instead of a ``configure_model`` hook. Usable without Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from lightning_ndclip.mesh import ParallelMeshes
+
+__all__ = ["parallelize"]
+
+
+def _replace_children(module: nn.Module, classes: tuple[type[nn.Module], ...]) -> int:
+    """Wrap every submodule of one of ``classes`` in an activation-checkpoint wrapper."""
+    count = 0
+    for name, child in module.named_children():
+        if isinstance(child, classes):
+            setattr(module, name, checkpoint_wrapper(child))
+            count += 1
+        else:
+            count += _replace_children(child, classes)
+    return count
+
+
+def parallelize(
+    module: nn.Module,
+    meshes: ParallelMeshes,
+    *,
+    tp_plan: Mapping[str, ParallelStyle] | None = None,
+    fsdp_units: Sequence[type[nn.Module]] = (),
+    activation_checkpointing: Sequence[type[nn.Module]] = (),
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Apply tensor parallelism, activation checkpointing and FSDP2 to ``module``, in that order.
+
+    Args:
+        module: the model (modified in place and returned).
+        meshes: the strategy's meshes; TP uses ``tp``, FSDP2 uses ``fsdp`` (``dp_shard_cp``, or
+            ``dp_replicate x dp_shard_cp`` for HSDP).
+        tp_plan: ``{module name: ParallelStyle}`` for ``parallelize_module`` (names relative to
+            ``module``; wildcards as in PyTorch). Skipped when ``tp`` is 1.
+        fsdp_units: module classes that each become one ``fully_shard`` unit (e.g. the transformer
+            block); the root gets a unit for the remaining parameters.
+        activation_checkpointing: module classes whose instances recompute activations in backward.
+        mp_policy: FSDP2 mixed-precision policy (e.g. bf16 parameters, fp32 reduction).
+        reshard_after_forward: FSDP2's choice for the non-root units.
+
+    Raises:
+        ValueError: naming the argument, when a class matches no submodule or a TP plan is given
+            without a ``tp`` dim.
+    """
+    if tp_plan:
+        if meshes["tp"].size() == 1:
+            raise ValueError("tp_plan was given but tp=1; set tp > 1 or drop tp_plan")
+        parallelize_module(module, meshes["tp"], dict(tp_plan))
+    if activation_checkpointing:
+        classes = tuple(activation_checkpointing)
+        if _replace_children(module, classes) == 0:
+            raise ValueError(f"activation_checkpointing={[c.__name__ for c in classes]} matches no submodule")
+    fsdp_kwargs = {"mesh": meshes["fsdp"]}
+    if mp_policy is not None:
+        fsdp_kwargs["mp_policy"] = mp_policy
+    units = tuple(fsdp_units)
+    matched = [m for m in module.modules() if units and isinstance(m, units) and m is not module]
+    if units and not matched:
+        raise ValueError(f"fsdp_units={[c.__name__ for c in units]} matches no submodule")
+    for unit in matched:
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **fsdp_kwargs)
+    fully_shard(module, **fsdp_kwargs)
+    return module
