@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -46,6 +46,9 @@ class GlobalNormClip(Callback):
             name components (``1``: ``layers``, ``2``: ``layers.0``, ...); exact global norms.
         log_name_filter: also log ``grad_norm/<name>`` for every parameter whose name matches this
             regular expression (``re.search``).
+        expert_pattern: also log ``grad_norm/expert`` and ``grad_norm/dense``: the exact norms of
+            the parameters whose name matches this regular expression (e.g. ``r"\.experts\."``) and
+            of all others.
         pp_mesh, tied_parameters, process_group, accumulate_dtype: as in
             :func:`lightning_ndclip.clip_grad_norm_`.
 
@@ -63,6 +66,7 @@ class GlobalNormClip(Callback):
         log_every_n_steps: int | None = None,
         log_module_depth: int | None = None,
         log_name_filter: str | None = None,
+        expert_pattern: str | None = None,
         pp_mesh: DeviceMesh | None = None,
         tied_parameters: Mapping[str, torch.Tensor] | None = None,
         process_group: dist.ProcessGroup | None = None,
@@ -82,6 +86,7 @@ class GlobalNormClip(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.log_module_depth = log_module_depth
         self.log_name_filter = re.compile(log_name_filter) if log_name_filter else None
+        self.expert_pattern = re.compile(expert_pattern) if expert_pattern else None
         self._norm_kwargs = dict(
             pp_mesh=pp_mesh,
             tied_parameters=tied_parameters,
@@ -89,7 +94,7 @@ class GlobalNormClip(Callback):
             accumulate_dtype=accumulate_dtype,
         )
         self.skipped_steps = 0
-        self._groups: tuple[tuple[str, ...], list[str], torch.Tensor] | None = None
+        self._groupings: dict[str, tuple[tuple[str, ...], list[str], torch.Tensor]] = {}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if trainer.gradient_clip_val is not None:
@@ -113,7 +118,9 @@ class GlobalNormClip(Callback):
         named = [(name_of.get(id(p), f"param_group_param[{i}]"), p) for i, p in enumerate(params)]
         every = self.log_every_n_steps or trainer.log_every_n_steps
         log_now = trainer.logger is not None and trainer.global_step % every == 0
-        per_tensor = log_now and (self.log_module_depth is not None or self.log_name_filter is not None)
+        per_tensor = log_now and any(
+            x is not None for x in (self.log_module_depth, self.log_name_filter, self.expert_pattern)
+        )
         norms = grad_norms(named, self.norm_type, per_tensor=per_tensor, **self._norm_kwargs)
         total = norms.total
         coef = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
@@ -151,7 +158,8 @@ class GlobalNormClip(Callback):
             pl_module.log(key, value, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True)
 
     def _detail(self, norms: GradNorms) -> dict[str, torch.Tensor]:
-        """Exact per-module (``log_module_depth``) and per-parameter (``log_name_filter``) norms."""
+        """Exact per-parameter (``log_name_filter``), per-module (``log_module_depth``) and
+        dense/expert (``expert_pattern``) norms, all from the per-parameter norms of the one all-reduce."""
         assert norms.per_tensor is not None
         out: dict[str, torch.Tensor] = {}
         if self.log_name_filter is not None:
@@ -159,20 +167,29 @@ class GlobalNormClip(Callback):
                 if self.log_name_filter.search(name):
                     out[f"grad_norm/{name}"] = value
         if self.log_module_depth is not None:
-            if self._groups is None or self._groups[0] != norms.names:
-                prefixes = [".".join(n.split(".")[: self.log_module_depth]) for n in norms.names]
-                labels = sorted(set(prefixes))
-                index = torch.tensor([labels.index(p) for p in prefixes], device=norms.per_tensor.device)
-                self._groups = (norms.names, labels, index)
-            _, labels, index = self._groups
-            p = self.norm_type
-            if math.isinf(p):
-                grouped = torch.zeros(len(labels), dtype=norms.per_tensor.dtype, device=index.device)
-                grouped.scatter_reduce_(0, index, norms.per_tensor, reduce="amax")
-            else:
-                grouped = torch.zeros(len(labels), dtype=torch.float64, device=index.device)
-                grouped.index_add_(0, index, norms.per_tensor.to(torch.float64).pow(p))
-                grouped = grouped.pow(1.0 / p)
-            for label, value in zip(labels, grouped.unbind()):
-                out.setdefault(f"grad_norm/{label}", value)
+            depth = self.log_module_depth
+            out.update(self._grouped(norms, "module", lambda n: ".".join(n.split(".")[:depth])))
+        if self.expert_pattern is not None:
+            pattern = self.expert_pattern
+            out.update(self._grouped(norms, "expert", lambda n: "expert" if pattern.search(n) else "dense"))
         return out
+
+    def _grouped(self, norms: GradNorms, kind: str, label_of: Callable[[str], str]) -> dict[str, torch.Tensor]:
+        """Exact norms of groups of parameters: the p-norm of their per-parameter norms."""
+        assert norms.per_tensor is not None
+        cached = self._groupings.get(kind)
+        if cached is None or cached[0] != norms.names:
+            labels_per_name = [label_of(n) for n in norms.names]
+            labels = sorted(set(labels_per_name))
+            index = torch.tensor([labels.index(x) for x in labels_per_name], device=norms.per_tensor.device)
+            cached = self._groupings[kind] = (norms.names, labels, index)
+        _, labels, index = cached
+        p = self.norm_type
+        if math.isinf(p):
+            grouped = torch.zeros(len(labels), dtype=norms.per_tensor.dtype, device=index.device)
+            grouped.scatter_reduce_(0, index, norms.per_tensor, reduce="amax")
+        else:
+            grouped = torch.zeros(len(labels), dtype=torch.float64, device=index.device)
+            grouped.index_add_(0, index, norms.per_tensor.to(torch.float64).pow(p))
+            grouped = grouped.pow(1.0 / p)
+        return {f"grad_norm/{label}": value for label, value in zip(labels, grouped.unbind())}

@@ -191,19 +191,27 @@ class NDParallelStrategy(ModelParallelStrategy):
             return self._windows
         return dataloader
 
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._windows is None:
-            return super().training_step(*args, **kwargs)
-        batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
-        total, last = self._windows.window_of(batch_idx)
+    def _set_gradient_sync(self, enabled: bool) -> None:
         assert self.model is not None
         for unit in self.model.modules():
             if isinstance(unit, FSDPModule):
-                unit.set_requires_gradient_sync(last, recurse=False)
+                unit.set_requires_gradient_sync(enabled, recurse=False)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs ``training_step`` with FSDP2 reducing only on the last micro-batch of an accumulation
+        window and, with ``loss_normalization``, scales its loss sum to a share of the global mean."""
+        trainer = self.lightning_module.trainer
+        if self._windows is None:
+            if self.lightning_module.automatic_optimization:
+                self._set_gradient_sync(not trainer.fit_loop._should_accumulate())
+            return super().training_step(*args, **kwargs)
+        batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
+        total, last = self._windows.window_of(batch_idx)
+        self._set_gradient_sync(last)
         output = super().training_step(*args, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
         # in the loss dtype: an int count divided in float32 would cost float64 losses 7 digits
-        scaled = loss * (self.lightning_module.trainer.accumulate_grad_batches / total.to(loss.dtype).clamp(min=1))
+        scaled = loss * (trainer.accumulate_grad_batches / total.to(loss.dtype).clamp(min=1))
         return {**output, "loss": scaled} if isinstance(output, Mapping) else scaled
 
     @property

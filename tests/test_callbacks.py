@@ -100,7 +100,9 @@ class MlpModule(L.LightningModule):
         return DataLoader(_data(), batch_size=LOCAL_BATCH, shuffle=False)
 
 
-def _reference(dp: int, max_norm: float, nonfinite_step: int | None = None) -> tuple[list[float], dict]:
+def _reference(
+    dp: int, max_norm: float, nonfinite_step: int | None = None, accumulate: int = 1, steps: int = STEPS
+) -> tuple[list[float], dict]:
     """One device: the same global batches, in the order of the DistributedSampler Lightning injects
     for training (shuffled with seed 0, epoch 0; rank r takes every dp-th index from r)."""
     model = _mlp()
@@ -108,8 +110,9 @@ def _reference(dp: int, max_norm: float, nonfinite_step: int | None = None) -> t
     x, y = _data().tensors
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0)).tolist()
     norms = []
-    for step in range(STEPS):
-        idx = [order[(step * LOCAL_BATCH + j) * dp + r] for r in range(dp) for j in range(LOCAL_BATCH)]
+    for step in range(steps):
+        micro = range(step * accumulate, (step + 1) * accumulate)  # equal sizes: mean of means = mean
+        idx = [order[(m * LOCAL_BATCH + j) * dp + r] for m in micro for r in range(dp) for j in range(LOCAL_BATCH)]
         opt.zero_grad()
         nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -123,7 +126,7 @@ def _fit_case(dp: int, tp: int, max_norm: float, tmp: str, nonfinite_step: int |
     use_existing_process_group()
     recorder = Recorder()
     module = MlpModule(tp=tp > 1, nonfinite_step=nonfinite_step)
-    clip = GlobalNormClip(max_norm, log_module_depth=2)
+    clip = GlobalNormClip(max_norm, log_module_depth=2, expert_pattern=r"^net\.4\.")
     trainer = L.Trainer(
         accelerator="cpu", devices=dp * tp, strategy=ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp),
         max_steps=STEPS, callbacks=[clip], logger=[recorder, TensorBoardLogger(tmp, name="tb")],
@@ -157,7 +160,11 @@ def test_logged_norms_and_parameters_match_single_device(dp, tp, tmp_path):
     for ours, ref in zip(clipped, ref_norms):
         assert abs(ours - min(ref, 0.3 * ref / (ref + 1e-6))) <= 1e-12 * ref
     module_norms = [m for _, m in rows if "grad_norm/net.0" in m]  # depth 2: net.0, net.2, net.4
-    assert module_norms and {"grad_norm/net.2", "grad_norm/net.4"} <= set(module_norms[0])
+    assert len(module_norms) == STEPS and {"grad_norm/net.2", "grad_norm/net.4"} <= set(module_norms[0])
+    for m, ref in zip(module_norms, ref_norms):  # modules and the dense/expert split add up exactly
+        assert abs(sum(m[f"grad_norm/net.{i}"] ** 2 for i in (0, 2, 4)) - ref**2) <= 1e-12 * ref**2
+        assert m["grad_norm/expert"] == m["grad_norm/net.4"]
+        assert abs(m["grad_norm/expert"] ** 2 + m["grad_norm/dense"] ** 2 - ref**2) <= 1e-12 * ref**2
     for r in results:
         for name, value in r["params"].items():
             assert torch.allclose(value, ref_params[name], rtol=1e-12, atol=1e-14), name
@@ -204,3 +211,45 @@ def test_gradient_clip_val_conflict_is_a_clear_error():
 def test_bad_arguments_name_the_parameter(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GlobalNormClip(**kwargs)
+
+
+class _ManualModule(MlpModule):
+    def __init__(self) -> None:
+        super().__init__(tp=False)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        opt.step()  # GlobalNormClip clips in on_before_optimizer_step, inside this call
+
+
+def _strategy_case(kind: str) -> dict:
+    use_existing_process_group()
+    recorder = Recorder()
+    module = _ManualModule() if kind == "manual" else _DDPModule(tp=False)
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if kind == "manual" else "ddp"
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS,
+                        callbacks=[GlobalNormClip(0.3)], logger=recorder, log_every_n_steps=1,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module)
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in module.net.named_parameters()}
+    return {"norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m], "params": full}
+
+
+class _DDPModule(MlpModule):
+    def configure_model(self) -> None:  # plain replicas: DDP wraps the module itself
+        pass
+
+
+@pytest.mark.parametrize("kind", ["manual", "ddp"])
+def test_manual_optimization_and_lightning_ddp_match_single_device(kind):
+    ref_norms, ref_params = _reference(2, max_norm=0.3)
+    results = run_on_ranks(2, _strategy_case, kind)
+    for ours, ref in zip(results[0]["norms"], ref_norms):
+        assert abs(ours - ref) <= 1e-12 * ref
+    assert len(results[0]["norms"]) == STEPS
+    for r in results:
+        for name, value in r["params"].items():
+            assert torch.allclose(value, ref_params[name], rtol=1e-12, atol=1e-14), name

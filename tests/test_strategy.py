@@ -306,7 +306,7 @@ def _declarative_case(dp_replicate: int, dp_shard: int, tp: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("shape", [(1, 2, 2), (2, 2, 1)], ids=["fsdp2xtp2", "hsdp2x2"])
+@pytest.mark.parametrize("shape", [(1, 2, 2), (2, 2, 1), (2, 2, 2)], ids=["fsdp2xtp2", "hsdp2x2", "hsdp2x2xtp2"])
 def test_declarative_plan_parallelizes_a_plain_module_exactly(shape):
     dp = shape[0] * shape[1]
     ref_norms, ref_params = _reference(dp, max_norm=0.3)
@@ -332,3 +332,29 @@ def _both_ways_case() -> str:
 def test_declarative_plan_and_configure_model_together_is_an_error():
     (message,) = run_on_ranks(1, _both_ways_case)
     assert "overrides configure_model()" in message and "use one" in message
+
+
+class _AccumulatingModule(MlpModule):
+    def on_after_backward(self) -> None:
+        if self.trainer.fit_loop.epoch_loop.batch_idx == 0:  # first micro-batch of the first window
+            self.reduced_after_first_micro_batch = any(p.grad is not None for p in self.parameters())
+
+
+def _accumulate_case() -> dict:
+    use_existing_process_group()
+    module = _AccumulatingModule(tp=True)
+    trainer = _trainer(NDParallelStrategy(dp_shard=2, tp=2), devices=4, max_steps=2, accumulate_grad_batches=2,
+                       callbacks=[GlobalNormClip(0.3)], logger=False)
+    trainer.fit(module)
+    return {
+        "reduced_early": module.reduced_after_first_micro_batch,
+        "params": {n: p.detach().full_tensor() for n, p in module.net.named_parameters()},
+    }
+
+
+def test_accumulation_reduces_once_per_window_and_matches_single_device():
+    _, ref_params = _reference(2, max_norm=0.3, accumulate=2, steps=2)
+    for r in run_on_ranks(4, _accumulate_case):
+        assert r["reduced_early"] is False, "FSDP2 should not reduce before the window's last micro-batch"
+        for name, value in r["params"].items():
+            assert torch.allclose(value, ref_params[name], rtol=1e-12, atol=1e-14), name
