@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import warnings
 
 import torch
@@ -90,10 +91,17 @@ def main() -> None:
     parser.add_argument("--dp-shard", type=int, default=2)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--max-norm", type=float, default=0.25)
-    parser.add_argument("--port", type=int, default=29517)
+    parser.add_argument("--port", type=int, default=0, help="rendezvous port (default: a free one)")
     args = parser.parse_args()
     world = args.dp_shard * args.tp
-    mp.spawn(worker, args=(world, args.dp_shard, args.tp, args.max_norm, args.port), nprocs=world)
+    port = args.port or free_port()
+    mp.spawn(worker, args=(world, args.dp_shard, args.tp, args.max_norm, port), nprocs=world)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
