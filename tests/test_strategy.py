@@ -10,7 +10,7 @@ from harness import run_on_ranks
 from lightning.pytorch.strategies import StrategyRegistry
 from test_callbacks import STEPS, MlpModule, Recorder, _reference, use_existing_process_group
 from test_loss import TokenModel, _packed_batch, _token_losses
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -358,3 +358,24 @@ def test_accumulation_reduces_once_per_window_and_matches_single_device():
         assert r["reduced_early"] is False, "FSDP2 should not reduce before the window's last micro-batch"
         for name, value in r["params"].items():
             assert torch.allclose(value, ref_params[name], rtol=1e-12, atol=1e-14), name
+
+
+def _mp_policy_case() -> dict:
+    use_existing_process_group()
+    recorder = Recorder()
+    module = _PlainModule()
+    module.net.float()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    strategy = NDParallelStrategy(fsdp_units=(torch.nn.Linear,), mp_policy=policy)
+    _trainer(strategy, devices=2, max_steps=2, callbacks=[GlobalNormClip(0.3)], logger=recorder).fit(module)
+    return {
+        "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m],
+        "param_dtype": {unit._get_fsdp_state()._mp_policy.param_dtype for unit in module.modules() if isinstance(unit, FSDPModule)},
+    }
+
+
+def test_declarative_mixed_precision_policy_reaches_every_unit():
+    ref_norms, _ = _reference(2, max_norm=0.3)
+    result = run_on_ranks(2, _mp_policy_case)[0]
+    assert result["param_dtype"] == {torch.bfloat16}
+    assert abs(result["norms"][0] - ref_norms[0]) <= 2e-2 * ref_norms[0]  # bf16 compute, fp32 norm
