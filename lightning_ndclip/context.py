@@ -1,0 +1,132 @@
+r"""Context parallelism: sequence shards and attention that is exact under them, on any backend.
+
+The ranks of a context-parallel (cp) group hold the same rows and each a part of the sequence.
+
+* :func:`shard_sequence` cuts a sequence dim into the cp parts; with ``load_balance=True`` (for
+  causal attention) the sequence is cut into ``2 x cp`` chunks and rank ``r`` takes chunks ``r`` and
+  ``2cp - 1 - r``, so every rank has the same amount of causal work. It also returns the global
+  positions of the local tokens, which position embeddings and masks must use.
+* :func:`context_parallel_attention` all-gathers K and V (and their positions / sample ids) over
+  the cp group and attends the local queries to the whole sequence with the right mask (causal by
+  global position, and/or block-diagonal by packed sample). The all-gather's backward sums the K/V
+  gradients over the group and hands each rank its slice, so gradients are exact. (In our tests on
+  gloo with torch 2.13, ``torch.distributed.nn.functional.all_gather`` followed by a ``cat`` along
+  the sequence dim gave wrong K/V gradients, apparently because its all-to-all backward receives
+  non-contiguous gradient slices; it is right for a leading-dim gather. This module uses its own.) This is the CPU path: PyTorch's
+  ``context_parallel`` has no CPU support; it costs a full K/V per rank, which is fine for tests and
+  moderate sequence lengths.
+
+Parameters are replicated over cp; their gradients must be summed over cp (FSDP2 over
+``dp_shard_cp`` with SUM reduction does it), and the loss normalized as in
+:mod:`lightning_ndclip.loss` (per-sample token counts summed over cp).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = ["context_parallel_attention", "shard_sequence"]
+
+
+def _chunk_ids(cp_rank: int, cp_size: int, load_balance: bool) -> list[int]:
+    return [cp_rank, 2 * cp_size - 1 - cp_rank] if load_balance else [cp_rank]
+
+
+def shard_sequence(
+    tensor: torch.Tensor, cp_rank: int, cp_size: int, *, dim: int = 1, load_balance: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This cp rank's part of ``tensor`` along ``dim`` and the global positions of that part.
+
+    Args:
+        tensor: a full sequence tensor (tokens, labels, sample ids, embeddings...).
+        cp_rank, cp_size: this rank's index in the cp group and the group's size.
+        dim: the sequence dim.
+        load_balance: cut into ``2 x cp_size`` chunks and take chunks ``cp_rank`` and
+            ``2 cp_size - 1 - cp_rank`` (for causal attention); else one contiguous part.
+
+    Returns:
+        ``(local part, positions)``, positions a 1-D int64 tensor of the local tokens' global indices.
+
+    Raises:
+        ValueError: if the sequence length is not divisible by the number of chunks.
+    """
+    length = tensor.shape[dim]
+    chunks = 2 * cp_size if load_balance else cp_size
+    if length % chunks:
+        raise ValueError(
+            f"sequence dim {dim} has length {length}, not divisible by {chunks} "
+            f"({'2 x ' if load_balance else ''}cp={cp_size}); pad the sequence"
+        )
+    size = length // chunks
+    positions = torch.cat(
+        [torch.arange(c * size, (c + 1) * size, device=tensor.device) for c in _chunk_ids(cp_rank, cp_size, load_balance)]
+    )
+    return tensor.index_select(dim, positions), positions
+
+
+class _GatherAlongDim(torch.autograd.Function):
+    """All-gather along ``dim``; backward sums the full gradient over the group (an all-reduce,
+    available on every backend) and keeps this rank's slice. Equal-sized parts are assumed."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:  # type: ignore[override]
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        ctx.group, ctx.dim, ctx.size = group, dim, t.shape[dim]
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        start = dist.get_rank(ctx.group) * ctx.size
+        return grad.narrow(ctx.dim, start, ctx.size), None, None
+
+
+def _gather(t: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+    if t.requires_grad:
+        return _GatherAlongDim.apply(t, group, dim)
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None,
+    positions: torch.Tensor,
+    is_causal: bool = False,
+    sample_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact attention of local queries over the whole (cp-sharded) sequence.
+
+    Args:
+        q, k, v: local ``[batch, heads, local_seq, head_dim]`` tensors.
+        group: the cp process group (``None``: no context parallelism, plain attention).
+        positions: global positions of the local tokens (from :func:`shard_sequence`), ``[local_seq]``.
+        is_causal: mask keys at later global positions.
+        sample_ids: ``[batch, local_seq]`` packed-sample ids of the local tokens (``-1`` padding):
+            tokens attend only within their sample (padding queries attend to padding only).
+
+    Returns:
+        ``[batch, heads, local_seq, head_dim]``, equal to the matching rows of single-device attention.
+    """
+    if group is not None and dist.get_world_size(group) > 1:
+        k, v = _gather(k, group, 2), _gather(v, group, 2)
+        kv_positions = _gather(positions, group, 0)
+        kv_ids = _gather(sample_ids, group, 1) if sample_ids is not None else None
+    else:
+        kv_positions, kv_ids = positions, sample_ids
+    mask = None
+    if is_causal:
+        mask = kv_positions[None, :] <= positions[:, None]  # [q, kv]
+        mask = mask[None, None]
+    if sample_ids is not None:
+        same = (sample_ids[:, :, None] == kv_ids[:, None, :])[:, None]  # [batch, 1, q, kv]
+        mask = same if mask is None else mask & same
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
