@@ -10,10 +10,13 @@ view        dims                         used for
 ``dp_shard_cp`` dp_shard, cp             FSDP2 sharding (context-parallel ranks shard too)
 ``dp_cp``   dp_replicate, dp_shard, cp   the loss dims: token and sample counts, ``sync_dist``
 ``fsdp``    dp_replicate x dp_shard_cp   ``fully_shard``'s mesh: 2-D (HSDP) when dp_replicate > 1
+``ep``      (part of dp_shard_cp)        experts sharded over it (:mod:`lightning_ndclip.experts`)
+``edp``     (dp_shard_cp / ep)           expert data parallel: ranks holding the same experts
 ========== ============================ ===================================================
 
-Expert parallelism is carved out of ``dp_shard x cp``: ``ep`` must divide it; the expert mesh
-itself is built by the expert-parallel code (dense weights stay on the dims above).
+Expert parallelism is carved out of ``dp_shard x cp``: ``ep`` must divide it, and ``dp_shard_cp``
+unflattens into ``edp x ep`` (experts sharded over ``ep`` and FSDP-sharded over ``edp``; dense
+weights stay on the dims above).
 """
 
 from __future__ import annotations
@@ -117,9 +120,11 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> ParallelMeshes:
         """The world mesh with every dim of :data:`MESH_DIM_NAMES` (size-1 dims included, so names
-        are stable) and the views ``dp``, ``dp_shard_cp``, ``dp_cp`` and ``fsdp``."""
+        are stable) and the views ``dp``, ``dp_shard_cp``, ``dp_cp``, ``fsdp``, ``edp`` and ``ep``."""
         world = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
         views = {name: world[dims]._flatten(name) for name, dims in _FLATTENED.items()}
+        experts = views["dp_shard_cp"]._unflatten(0, (self.dp_shard * self.cp // self.ep, self.ep), ("edp", "ep"))
+        views["edp"], views["ep"] = experts["edp"], experts["ep"]
         views["fsdp"] = (
             DeviceMesh._concatenate([world["dp_replicate"], views["dp_shard_cp"]])
             if self.dp_replicate > 1
