@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_ndclip.mesh import ParallelDims, ParallelMeshes
 from lightning_ndclip.parallelize import parallelize
-from lightning_ndclip.loss import sync_token_count
+from lightning_ndclip.loss import sync_sample_weights, sync_token_count
 from lightning_ndclip.reduce import use_sum_reduction
 
 __all__ = ["NDParallelStrategy"]
@@ -61,6 +61,14 @@ class NDParallelStrategy(ModelParallelStrategy):
             window at the end of an epoch), makes every FSDP2 reduction a SUM and lets FSDP2 reduce
             only on the last micro-batch of a window. A window without valid tokens gives zero
             gradients, not NaN.
+            ``"sample_mean"``: the exact hierarchical (per-sample) mean, for packed sequences and
+            context parallelism. The LightningModule defines ``sample_ids(batch) -> (ids,
+            num_samples)`` or ``(ids, num_samples, valid)``: the per-token sample index of *this
+            rank's* tokens (after its cp shard; ``-1`` for padding) and the number of samples in the
+            micro-batch, numbered alike on the ranks of a cp group; ``training_step`` returns the
+            per-token losses, shaped like ``ids``. Per window, sample token counts are summed over
+            ``cp`` and samples over ``dp`` (two all-reduces), and each micro-batch's loss becomes
+            ``accumulate_grad_batches x Σ_i l_i / (B T_b(i))``.
         tp_plan: declarative tensor parallelism, ``{module name: ParallelStyle}`` (see
             :func:`lightning_ndclip.parallelize.parallelize`).
         fsdp_units: module classes that each become a ``fully_shard`` unit (the root always does).
@@ -88,7 +96,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         pp: int = 1,
         ep: int = 1,
         *,
-        loss_normalization: Literal["token_mean"] | None = None,
+        loss_normalization: Literal["token_mean", "sample_mean"] | None = None,
         tp_plan: Mapping[str, ParallelStyle] | None = None,
         fsdp_units: Sequence[type[nn.Module]] = (),
         activation_checkpointing: Sequence[type[nn.Module]] = (),
@@ -107,8 +115,10 @@ class NDParallelStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        if loss_normalization not in (None, "token_mean"):
-            raise ValueError(f"loss_normalization must be None or 'token_mean', got {loss_normalization!r}")
+        if loss_normalization not in (None, "token_mean", "sample_mean"):
+            raise ValueError(
+                f"loss_normalization must be None, 'token_mean' or 'sample_mean', got {loss_normalization!r}"
+            )
         self._sizes = sizes
         self._loss_normalization = loss_normalization
         self._sum_reduction = sum_reduction or loss_normalization is not None
@@ -118,7 +128,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             tp_plan=tp_plan, fsdp_units=tuple(fsdp_units), activation_checkpointing=tuple(activation_checkpointing),
             mp_policy=mp_policy,
         )
-        self._windows: TokenWindows | None = None
+        self._windows: LossWindows | None = None
         self._dims: ParallelDims | None = None
         self._meshes: ParallelMeshes | None = None
 
@@ -168,10 +178,13 @@ class NDParallelStrategy(ModelParallelStrategy):
         module.configure_model = configure_model
 
     def setup(self, trainer: pl.Trainer) -> None:
-        if self._loss_normalization and not callable(getattr(self.lightning_module, "count_tokens", None)):
+        hook = {"token_mean": "count_tokens(batch) -> Tensor, the number of valid tokens in a raw batch",
+                "sample_mean": "sample_ids(batch) -> (ids, num_samples[, valid]) for this rank's tokens"}
+        needed = hook.get(self._loss_normalization or "")
+        if needed and not callable(getattr(self.lightning_module, needed.split("(")[0], None)):
             raise TypeError(
-                "NDParallelStrategy(loss_normalization='token_mean') needs the LightningModule to define "
-                "count_tokens(batch) -> Tensor, the number of valid tokens in a raw batch"
+                f"NDParallelStrategy(loss_normalization={self._loss_normalization!r}) needs the "
+                f"LightningModule to define {needed}"
             )
         super().setup(trainer)
         if self._sum_reduction:
@@ -187,7 +200,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             return dataloader
         trainer = self.lightning_module.trainer
         if trainer.training:
-            self._windows = TokenWindows(dataloader, self, trainer)
+            self._windows = LossWindows(dataloader, self, trainer)
             return self._windows
         return dataloader
 
@@ -206,12 +219,21 @@ class NDParallelStrategy(ModelParallelStrategy):
                 self._set_gradient_sync(not trainer.fit_loop._should_accumulate())
             return super().training_step(*args, **kwargs)
         batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
-        total, last = self._windows.window_of(batch_idx)
+        scale, last = self._windows.window_of(batch_idx)
         self._set_gradient_sync(last)
         output = super().training_step(*args, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
-        # in the loss dtype: an int count divided in float32 would cost float64 losses 7 digits
-        scaled = loss * (trainer.accumulate_grad_batches / total.to(loss.dtype).clamp(min=1))
+        k = trainer.accumulate_grad_batches
+        if self._loss_normalization == "token_mean":
+            # in the loss dtype: an int count divided in float32 would cost float64 losses 7 digits
+            scaled = loss * (k / scale.to(loss.dtype).clamp(min=1))
+        else:
+            if loss.shape != scale.shape:
+                raise ValueError(
+                    f"with loss_normalization='sample_mean', training_step must return per-token losses "
+                    f"shaped like sample_ids(batch)[0] {tuple(scale.shape)}, got {tuple(loss.shape)}"
+                )
+            scaled = (loss * scale.to(loss.dtype)).sum() * k
         return {**output, "loss": scaled} if isinstance(output, Mapping) else scaled
 
     @property
@@ -238,9 +260,10 @@ class NDParallelStrategy(ModelParallelStrategy):
 NDParallelStrategy.register_strategies(StrategyRegistry)
 
 
-class TokenWindows:
-    """Wraps the training dataloader: reads each accumulation window ahead, counts its valid tokens
-    over the loss dims in one all-reduce, then yields the window's batches one by one.
+class LossWindows:
+    """Wraps the training dataloader: reads each accumulation window ahead, synchronizes its loss
+    normalization (token count, or per-sample weights) over the loss dims, then yields the window's
+    batches one by one.
 
     Windows follow Lightning's accumulation: ``accumulate_grad_batches`` consecutive batches from
     the start of the epoch, the last one shorter when the epoch (or ``limit_train_batches``) ends.
@@ -259,12 +282,26 @@ class TokenWindows:
         return getattr(self.__dict__["dataloader"], name)
 
     def window_of(self, batch_idx: int) -> tuple[torch.Tensor, bool]:
-        """The global token count of ``batch_idx``'s window and whether it is the window's last batch."""
+        """The scale of ``batch_idx`` (the window's token count, or its per-token sample weights)
+        and whether it is the window's last batch."""
         return self._windows.pop(batch_idx)
 
+    def _scales(self, window: list[Any]) -> list[torch.Tensor]:
+        module, meshes, device = self._strategy.lightning_module, self._strategy.meshes, self._strategy.root_device
+        if self._strategy._loss_normalization == "token_mean":
+            counts = [torch.as_tensor(module.count_tokens(b)).to(device) for b in window]
+            return [sync_token_count(counts, group=meshes["dp_cp"].get_group()).total] * len(window)
+        described = [module.sample_ids(b) for b in window]
+        weights = sync_sample_weights(
+            [torch.as_tensor(d[0]).to(device) for d in described],
+            [int(d[1]) for d in described],
+            [torch.as_tensor(d[2]).to(device) for d in described] if all(len(d) > 2 for d in described) else None,
+            cp_group=meshes["cp"].get_group(),
+            dp_group=meshes["dp"].get_group(),
+        )
+        return weights.weights
+
     def __iter__(self) -> Iterator[Any]:
-        module = self._strategy.lightning_module
-        group = self._strategy.meshes["dp_cp"].get_group()
         every = self._trainer.accumulate_grad_batches
         limit = self._trainer.num_training_batches
         self._windows.clear()
@@ -274,9 +311,7 @@ class TokenWindows:
             window = list(islice(batches, int(min(every, limit - index))))
             if not window:
                 return
-            counts = [torch.as_tensor(module.count_tokens(b)).to(self._strategy.root_device) for b in window]
-            total = sync_token_count(counts, group=group).total
-            for position, batch in enumerate(window):
-                self._windows[index] = (total, position == len(window) - 1)
+            for position, (batch, scale) in enumerate(zip(window, self._scales(window))):
+                self._windows[index] = (scale, position == len(window) - 1)
                 index += 1
                 yield batch
