@@ -1,0 +1,160 @@
+"""Pipeline parallelism: split a model into stages, run a ``torch.distributed.pipelining`` schedule
+without its gradient division, and keep parameters tied across stages exact.
+
+Stages are cut from the model's *units*, in order: each top-level child, except that a
+``ModuleList`` / ``ModuleDict`` child contributes each of its entries (``layers.0``, ``layers.1``,
+...). A stage keeps its units; every other top-level child is set to ``None`` and every other
+list/dict entry is deleted, so the model's ``forward`` must skip ``None`` children and iterate over
+whatever entries remain (torchtitan's convention), e.g.::
+
+    h = self.embed(tokens) if self.embed is not None else tokens
+    for layer in self.layers.values():
+        h = layer(h)
+    return self.head(h) if self.head is not None else h
+
+Schedules are built with ``scale_grads=False``: the loss function passed in must already be the
+micro-batch's share of the *global* mean (e.g. ``loss_sum / N`` with ``N`` from
+:func:`lightning_ndclip.sync_token_count` over every micro-batch and data-parallel rank), so nothing
+divides twice.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
+
+__all__ = ["SCHEDULES", "build_pipeline", "model_units", "split_model", "tie_gradients"]
+
+SCHEDULES: dict[str, type] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "looped_bfs": ScheduleLoopedBFS,
+}
+"""Schedule names accepted by :func:`build_pipeline` (the last two run several stages per rank)."""
+
+
+def model_units(model: nn.Module) -> list[str]:
+    """The ordered units stages are cut from (see the module docstring)."""
+    units = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            units.extend(f"{name}.{key}" for key, _ in child.named_children())
+        else:
+            units.append(name)
+    return units
+
+
+def _stage_units(units: list[str], split_points: Sequence[str], num_stages: int) -> list[list[str]]:
+    if len(split_points) != num_stages - 1:
+        raise ValueError(f"{num_stages} stages need {num_stages - 1} split points, got {list(split_points)}")
+    cuts = []
+    for point in split_points:
+        if point not in units:
+            raise ValueError(f"split point {point!r} is not a unit of the model; units are {units}")
+        cuts.append(units.index(point))
+    if cuts != sorted(cuts) or len(set(cuts)) != len(cuts) or (cuts and cuts[0] == 0):
+        raise ValueError(f"split points {list(split_points)} must be increasing units after the first one")
+    bounds = [0, *cuts, len(units)]
+    return [units[bounds[s] : bounds[s + 1]] for s in range(num_stages)]
+
+
+def split_model(model: nn.Module, keep: Sequence[str]) -> nn.Module:
+    """A deep copy of ``model`` holding only the units in ``keep`` (others removed as documented)."""
+    stage = copy.deepcopy(model)
+    for name, child in list(stage.named_children()):
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            for key in [k for k, _ in child.named_children() if f"{name}.{k}" not in keep]:
+                if isinstance(child, nn.ModuleDict):
+                    del child[key]
+                else:
+                    raise ValueError(f"{name} is a ModuleList; use a ModuleDict so stages keep their indices")
+        elif name not in keep:
+            setattr(stage, name, None)
+    return stage
+
+
+def build_pipeline(
+    model: nn.Module,
+    pp_mesh: DeviceMesh,
+    split_points: Sequence[str],
+    *,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    schedule: str = "1f1b",
+    stages_per_rank: int = 1,
+    parallelize_fn: Callable[[nn.Module], object] | None = None,
+    device: torch.device | None = None,
+) -> tuple[PipelineScheduleSingle | PipelineScheduleMulti, list[nn.Module]]:
+    """Cut ``model`` into ``pp x stages_per_rank`` stages and build the schedule for this rank.
+
+    Rank ``r`` of ``pp_mesh`` holds stages ``r, r + pp, ...`` (the looped placement interleaved
+    schedules expect).
+
+    Args:
+        model: the full model (on every rank; only this rank's stages are kept).
+        pp_mesh: the 1-D pipeline mesh.
+        split_points: the units that start stages 1, 2, ... (``len = stages - 1``).
+        n_microbatches: micro-batches per step (the batch given to ``step`` is chunked on dim 0).
+        loss_fn: ``(output, target) -> loss`` of one micro-batch, already normalized by the global
+            count (the schedule does not divide: ``scale_grads=False``).
+        schedule: one of :data:`SCHEDULES`.
+        stages_per_rank: virtual stages per rank (> 1 needs ``"interleaved_1f1b"`` or ``"looped_bfs"``).
+        parallelize_fn: applied to each stage module before its ``PipelineStage`` is built: where
+            tensor parallelism and ``fully_shard`` go (over the dp/tp meshes of this pp coordinate).
+        device: the stages' device (default: CPU, or the current CUDA device when available).
+
+    Returns:
+        ``(schedule, stage modules of this rank)``. Call ``schedule.step(inputs)`` on the first
+        stage's rank, ``schedule.step(target=...)`` on the last one's, ``schedule.step()`` elsewhere
+        (with ``losses=[]`` to collect the micro-batch losses on the last stage).
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}; choose one of {sorted(SCHEDULES)}")
+    multi = issubclass(SCHEDULES[schedule], PipelineScheduleMulti)
+    if (stages_per_rank > 1) != multi:
+        raise ValueError(
+            f"schedule={schedule!r} runs {'several stages' if multi else 'one stage'} per rank, "
+            f"but stages_per_rank={stages_per_rank}"
+        )
+    pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    num_stages = pp * stages_per_rank
+    per_stage = _stage_units(model_units(model), split_points, num_stages)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    indices = [rank + k * pp for k in range(stages_per_rank)]
+    modules = [split_model(model, per_stage[i]) for i in indices]
+    if parallelize_fn is not None:
+        for module in modules:
+            parallelize_fn(module)
+    group = pp_mesh.get_group()
+    stages = [PipelineStage(m, i, num_stages, device, group=group) for m, i in zip(modules, indices)]
+    cls = SCHEDULES[schedule]
+    built = cls(stages if multi else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return built, modules
+
+
+def tie_gradients(parameters: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Sum the gradients of parameters tied across stages over ``group`` (the ranks holding a copy),
+    so every copy holds the gradient of the one logical parameter. Works on the local shards of
+    DTensor gradients (the copies must be sharded alike). Pass the same parameters, in the same
+    order, on every rank of ``group``; norm them with ``tied_parameters`` so they count once."""
+    for p in parameters:
+        if p.grad is None:
+            raise ValueError("tie_gradients: a tied parameter has no gradient; run the step first")
+        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        dist.all_reduce(local, group=group)
