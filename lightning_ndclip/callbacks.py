@@ -121,7 +121,10 @@ class GlobalNormClip(Callback):
         per_tensor = log_now and any(
             x is not None for x in (self.log_module_depth, self.log_name_filter, self.expert_pattern)
         )
-        norms = grad_norms(named, self.norm_type, per_tensor=per_tensor, **self._norm_kwargs)
+        kwargs = dict(self._norm_kwargs)
+        if kwargs["pp_mesh"] is None:  # NDParallelStrategy(pp > 1) knows its pipeline dim
+            kwargs["pp_mesh"] = getattr(trainer.strategy, "pipeline_mesh", None)
+        norms = grad_norms(named, self.norm_type, per_tensor=per_tensor, **kwargs)
         total = norms.total
         coef = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
 

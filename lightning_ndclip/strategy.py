@@ -9,17 +9,20 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.distributed.device_mesh import DeviceMesh
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_ndclip.mesh import ParallelDims, ParallelMeshes
 from lightning_ndclip.parallelize import parallelize
+from lightning_ndclip.pipeline import build_pipeline
 from lightning_ndclip.loss import sync_sample_weights, sync_token_count
 from lightning_ndclip.reduce import use_sum_reduction
 
@@ -76,6 +79,18 @@ class NDParallelStrategy(ModelParallelStrategy):
         mp_policy: FSDP2 ``MixedPrecisionPolicy``.
             Giving any of these four parallelizes a plain LightningModule with no parallel code; the
             module must then not override ``configure_model`` (one way or the other, not both).
+        pp_split_points: with ``pp > 1``: the units that start stages 1, 2, ... (see
+            :mod:`lightning_ndclip.pipeline`; ``pp x pp_stages_per_rank - 1`` of them).
+        pp_schedule: ``"gpipe"``, ``"1f1b"`` (default), ``"interleaved_1f1b"`` or ``"looped_bfs"``.
+        pp_microbatches: micro-batches per batch (default: the number of stages).
+        pp_stages_per_rank: virtual stages per rank (for the interleaved / looped schedules).
+        pp_module: the LightningModule attribute holding the model to split (default ``"model"``).
+            With ``pp > 1`` the strategy replaces it by the ``nn.ModuleList`` of this rank's stages
+            (parallelized with the declarative plan, or by the module's ``parallelize_stage(stage)``
+            hook), and ``training_step`` runs them with ``trainer.strategy.run_pipeline(inputs,
+            target)``, which does forward and backward and returns the loss; the module defines
+            ``pipeline_loss(output, target)``: a micro-batch's mean loss, or its loss *sum* with
+            ``loss_normalization="token_mean"``. The strategy then never calls backward itself.
         sum_reduction: make every FSDP2 gradient reduction a plain SUM after ``configure_model``
             (:func:`lightning_ndclip.use_sum_reduction`), for a ``training_step`` that normalizes its
             loss by global counts itself. Implied by ``loss_normalization``.
@@ -101,6 +116,11 @@ class NDParallelStrategy(ModelParallelStrategy):
         fsdp_units: Sequence[type[nn.Module]] = (),
         activation_checkpointing: Sequence[type[nn.Module]] = (),
         mp_policy: MixedPrecisionPolicy | None = None,
+        pp_split_points: Sequence[str] = (),
+        pp_schedule: str = "1f1b",
+        pp_microbatches: int | None = None,
+        pp_stages_per_rank: int = 1,
+        pp_module: str = "model",
         sum_reduction: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -128,6 +148,20 @@ class NDParallelStrategy(ModelParallelStrategy):
             tp_plan=tp_plan, fsdp_units=tuple(fsdp_units), activation_checkpointing=tuple(activation_checkpointing),
             mp_policy=mp_policy,
         )
+        stages = pp * pp_stages_per_rank
+        if pp > 1 and len(pp_split_points) != stages - 1:
+            raise ValueError(
+                f"pp={pp} x pp_stages_per_rank={pp_stages_per_rank} = {stages} stages need {stages - 1} "
+                f"pp_split_points, got {list(pp_split_points)}"
+            )
+        if pp > 1 and loss_normalization == "sample_mean":
+            raise ValueError("loss_normalization='sample_mean' is not supported with pp > 1 yet")
+        self._pp = dict(
+            split_points=tuple(pp_split_points), schedule=pp_schedule, stages_per_rank=pp_stages_per_rank,
+            n_microbatches=pp_microbatches or stages, module=pp_module,
+        )
+        self._pipeline: Any = None
+        self._pp_scale = 1.0
         self._windows: LossWindows | None = None
         self._dims: ParallelDims | None = None
         self._meshes: ParallelMeshes | None = None
@@ -159,8 +193,88 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._device_mesh = self._meshes.world
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
-        if any(self._plan.values()):
+        if self._dims.pp > 1:
+            self._install_pipeline(self.lightning_module)
+        elif any(self._plan.values()):
             self._install_declarative_plan(self.lightning_module)
+
+    @property
+    def pipeline_mesh(self) -> DeviceMesh | None:
+        """The ``pp`` mesh dim when ``pp > 1`` (``GlobalNormClip`` sums the norm over it), else ``None``."""
+        return self.meshes["pp"] if self._dims is not None and self._dims.pp > 1 else None
+
+    def _install_pipeline(self, module: pl.LightningModule) -> None:
+        """Give the LightningModule a ``configure_model`` that cuts ``pp_module`` into this rank's
+        stages, parallelizes each and builds the schedule."""
+        if is_overridden("configure_model", module):
+            raise ValueError(
+                f"with pp > 1, NDParallelStrategy builds the stages: {type(module).__name__} must not "
+                "override configure_model(); parallelize stages with the declarative arguments or a "
+                "parallelize_stage(stage) method"
+            )
+        name, pp, plan, meshes = self._pp["module"], self._pp, self._plan, self.meshes
+        if not isinstance(getattr(module, name, None), nn.Module):
+            raise ValueError(f"pp_module={name!r}: the LightningModule has no submodule of that name")
+
+        def parallelize_stage(stage: nn.Module) -> None:
+            if any(plan.values()):
+                parallelize(stage, meshes, **plan)
+            elif callable(getattr(module, "parallelize_stage", None)):
+                module.parallelize_stage(stage)
+
+        if is_overridden("optimizer_zero_grad", module):
+            raise ValueError(
+                f"with pp > 1, NDParallelStrategy zeroes gradients itself (Lightning would zero them "
+                f"after training_step, where the schedule has already run backward): "
+                f"{type(module).__name__} must not override optimizer_zero_grad()"
+            )
+
+        def optimizer_zero_grad(*args: Any, **kwargs: Any) -> None:
+            pass  # done in training_step, before the schedule
+
+        module.optimizer_zero_grad = optimizer_zero_grad
+
+        def configure_model() -> None:
+            self._pipeline, stages = build_pipeline(
+                getattr(module, name), meshes["pp"], pp["split_points"], n_microbatches=pp["n_microbatches"],
+                loss_fn=self._pipeline_loss, schedule=pp["schedule"], stages_per_rank=pp["stages_per_rank"],
+                parallelize_fn=parallelize_stage, device=self.root_device,
+            )
+            setattr(module, name, nn.ModuleList(stages))
+
+        module.configure_model = configure_model
+
+    def _pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.lightning_module.pipeline_loss(output, target) * self._pp_scale
+
+    def run_pipeline(self, inputs: Any = None, target: Any = None) -> torch.Tensor:
+        """Run the pipeline schedule on one batch (forward and backward of every micro-batch) and
+        return the batch's loss, detached, on every rank (broadcast from the last stage). Give
+        ``inputs`` and ``target`` on every rank; each stage uses what it needs."""
+        if self._pipeline is None:
+            raise RuntimeError("run_pipeline needs NDParallelStrategy(pp > 1)")
+        pp_mesh = self.meshes["pp"]
+        rank, size = pp_mesh.get_local_rank(), pp_mesh.size()
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            self._pipeline.step(inputs, target=target if rank == size - 1 else None, losses=losses)
+        elif rank == size - 1:
+            self._pipeline.step(target=target, losses=losses)
+        else:
+            self._pipeline.step()
+        # float64 on every rank: the broadcast must agree in size whatever the loss dtype
+        loss = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        if losses:
+            loss = torch.stack(losses).sum().detach().to(torch.float64)
+        last = int(pp_mesh.mesh.flatten()[size - 1])
+        dist.broadcast(loss, src=last, group=pp_mesh.get_group())
+        return loss
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """With ``pp > 1`` the schedule has already run backward: nothing to do."""
+        if self._pipeline is not None:
+            return closure_loss
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _install_declarative_plan(self, module: pl.LightningModule) -> None:
         """Give a plain LightningModule a ``configure_model`` that applies the strategy's plan, so the
@@ -189,10 +303,11 @@ class NDParallelStrategy(ModelParallelStrategy):
         super().setup(trainer)
         if self._sum_reduction:
             assert self.model is not None
-            if use_sum_reduction(self.model) == 0:
+            if use_sum_reduction(self.model) == 0 and self.meshes["dp_cp"].size() > 1:
                 raise ValueError(
                     "NDParallelStrategy(sum_reduction=True) found no fully_shard unit in the model after "
-                    "configure_model(); apply fully_shard there, or leave sum_reduction off"
+                    "configure_model(), so gradients would not be reduced over the data ranks; apply "
+                    "fully_shard there, or leave sum_reduction off"
                 )
 
     def process_dataloader(self, dataloader: object) -> object:
@@ -214,16 +329,24 @@ class NDParallelStrategy(ModelParallelStrategy):
         """Runs ``training_step`` with FSDP2 reducing only on the last micro-batch of an accumulation
         window and, with ``loss_normalization``, scales its loss sum to a share of the global mean."""
         trainer = self.lightning_module.trainer
-        if self._windows is None:
-            if self.lightning_module.automatic_optimization:
-                self._set_gradient_sync(not trainer.fit_loop._should_accumulate())
-            return super().training_step(*args, **kwargs)
+        k = trainer.accumulate_grad_batches
         batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
+        automatic = self.lightning_module.automatic_optimization
+        if self._pipeline is not None and automatic and batch_idx % k == 0:  # zero before the schedule
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+        if self._windows is None:
+            if automatic:
+                self._set_gradient_sync(not trainer.fit_loop._should_accumulate())
+            self._pp_scale = 1.0 / (self._pp["n_microbatches"] * k)  # micro-batch means -> window mean
+            return super().training_step(*args, **kwargs)
         scale, last = self._windows.window_of(batch_idx)
         self._set_gradient_sync(last)
+        if self._pipeline is not None:  # token_mean: micro-batch loss sums / N (no Lightning division)
+            self._pp_scale = 1.0 / scale.to(torch.float64).clamp(min=1)
+            return super().training_step(*args, **kwargs)
         output = super().training_step(*args, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
-        k = trainer.accumulate_grad_batches
         if self._loss_normalization == "token_mean":
             # in the loss dtype: an int count divided in float32 would cost float64 losses 7 digits
             scaled = loss * (k / scale.to(loss.dtype).clamp(min=1))

@@ -3,10 +3,12 @@ with the loss normalized by the global valid-token count and no division by the 
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 from harness import run_on_ranks
+from test_callbacks import Recorder, use_existing_process_group
 from test_norm_dtensor import assert_close
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -167,3 +169,72 @@ def _pp_dp_tp_case(schedule: str) -> float:
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pp2_dp2_tp2_on_eight_ranks_matches_single_device(schedule):
     assert max(run_on_ranks(8, _pp_dp_tp_case, schedule)) < 1e-10
+
+
+# --- in the Trainer: NDParallelStrategy(pp=2, ...) ---
+
+PP_LR, PP_MAX_NORM = 0.5, 0.1
+
+
+class _PipelinedLM(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TinyLM()
+
+    def count_tokens(self, batch) -> torch.Tensor:
+        return (batch[1] != -100).sum()
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
+
+    def training_step(self, batch, batch_idx):
+        loss = self.trainer.strategy.run_pipeline(*batch)  # forward + backward of every micro-batch
+        self.log("loss_share", loss, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="sum")
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=PP_LR)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_batch()), batch_size=8 // self.dp // 2)
+
+
+def _trainer_pp_case(dp_shard: int, schedule: str, stages_per_rank: int) -> dict:
+    use_existing_process_group()
+    recorder = Recorder()
+    module = _PipelinedLM()
+    module.dp = dp_shard
+    splits = {1: ["layers.2"], 2: ["layers.1", "layers.2", "layers.3"]}[stages_per_rank]
+    strategy = nd.NDParallelStrategy(
+        pp=2, dp_shard=dp_shard, pp_split_points=splits, pp_schedule=schedule, pp_stages_per_rank=stages_per_rank,
+        pp_microbatches=2, loss_normalization="token_mean", fsdp_units=(nn.Linear,) if dp_shard > 1 else (),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2 * dp_shard, strategy=strategy, max_steps=1, accumulate_grad_batches=2,
+        callbacks=[nd.GlobalNormClip(PP_MAX_NORM)], logger=recorder, log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(module)  # one step = 2 micro-batch windows x dp ranks = the whole batch
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    params = {n: full(p.detach()) for stage in module.model for n, p in stage.named_parameters()}
+    logged = [m for _, m in recorder.rows if "grad_norm/total" in m]
+    return {"params": params, "norm": logged[0]["grad_norm/total"], "loss": float(trainer.callback_metrics["loss_share"])}
+
+
+@pytest.mark.parametrize(
+    "dp_shard,schedule,stages_per_rank",
+    [(1, "1f1b", 1), (1, "interleaved_1f1b", 2), (2, "gpipe", 1)],
+    ids=["pp2-1f1b", "pp2-interleaved", "pp2xdp2-fsdp-gpipe"],
+)
+def test_trainer_with_pipeline_matches_single_device(dp_shard, schedule, stages_per_rank):
+    ref_grads, ref_norm = _reference(False)
+    coef = min(1.0, PP_MAX_NORM / (float(ref_norm) + 1e-6))
+    expected = {n: p.detach() - PP_LR * coef * ref_grads[n] for n, p in TinyLM().named_parameters()}
+    tokens, labels = _batch()
+    with torch.no_grad():
+        ref_loss = float(nn.functional.cross_entropy(TinyLM()(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100))
+    for r in run_on_ranks(2 * dp_shard, _trainer_pp_case, dp_shard, schedule, stages_per_rank):
+        assert abs(r["norm"] - float(ref_norm)) <= 1e-12 * float(ref_norm)
+        assert abs(r["loss"] - ref_loss) <= 1e-12 * ref_loss  # every rank sees the last stage's loss
+        for name, value in r["params"].items():
+            assert float((value - expected[name]).norm() / expected[name].norm()) < 1e-12, name
