@@ -86,8 +86,8 @@ class NDParallelStrategy(ModelParallelStrategy):
         pp_stages_per_rank: virtual stages per rank (for the interleaved / looped schedules).
         pp_module: the LightningModule attribute holding the model to split (default ``"model"``).
             With ``pp > 1`` the strategy replaces it by the ``nn.ModuleList`` of this rank's stages
-            (parallelized with the declarative plan, or by the module's ``parallelize_stage(stage)``
-            hook), and ``training_step`` runs them with ``trainer.strategy.run_pipeline(inputs,
+            (parallelized with the declarative plan, by the module's ``parallelize_stage(stage)``
+            hook, or else with one ``fully_shard`` per stage), and ``training_step`` runs them with ``trainer.strategy.run_pipeline(inputs,
             target)``, which does forward and backward and returns the loss; the module defines
             ``pipeline_loss(output, target)``: a micro-batch's mean loss, or its loss *sum* with
             ``loss_normalization="token_mean"``. The strategy then never calls backward itself.
@@ -217,10 +217,10 @@ class NDParallelStrategy(ModelParallelStrategy):
             raise ValueError(f"pp_module={name!r}: the LightningModule has no submodule of that name")
 
         def parallelize_stage(stage: nn.Module) -> None:
-            if any(plan.values()):
-                parallelize(stage, meshes, **plan)
-            elif callable(getattr(module, "parallelize_stage", None)):
+            if callable(getattr(module, "parallelize_stage", None)) and not any(plan.values()):
                 module.parallelize_stage(stage)
+            else:  # the plan, or at least one FSDP2 unit per stage (DTensor parameters: checkpoints)
+                parallelize(stage, meshes, **plan)
 
         if is_overridden("optimizer_zero_grad", module):
             raise ValueError(

@@ -238,3 +238,4 @@ def test_trainer_with_pipeline_matches_single_device(dp_shard, schedule, stages_
         assert abs(r["loss"] - ref_loss) <= 1e-12 * ref_loss  # every rank sees the last stage's loss
         for name, value in r["params"].items():
             assert float((value - expected[name]).norm() / expected[name].norm()) < 1e-12, name
+
