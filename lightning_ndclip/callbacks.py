@@ -122,8 +122,10 @@ class GlobalNormClip(Callback):
             x is not None for x in (self.log_module_depth, self.log_name_filter, self.expert_pattern)
         )
         kwargs = dict(self._norm_kwargs)
-        if kwargs["pp_mesh"] is None:  # NDParallelStrategy(pp > 1) knows its pipeline dim
+        if kwargs["pp_mesh"] is None:  # NDParallelStrategy(pp > 1) knows its pipeline dim and ties
             kwargs["pp_mesh"] = getattr(trainer.strategy, "pipeline_mesh", None)
+        if kwargs["tied_parameters"] is None:
+            kwargs["tied_parameters"] = getattr(trainer.strategy, "tied_parameters", None)
         norms = grad_norms(named, self.norm_type, per_tensor=per_tensor, **kwargs)
         total = norms.total
         coef = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)

@@ -37,7 +37,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleLoopedBFS,
 )
 
-__all__ = ["SCHEDULES", "build_pipeline", "model_units", "split_model", "tie_gradients"]
+__all__ = ["SCHEDULES", "build_pipeline", "model_units", "split_model", "stage_units_of", "tie_gradients"]
 
 SCHEDULES: dict[str, type] = {
     "gpipe": ScheduleGPipe,
@@ -59,7 +59,8 @@ def model_units(model: nn.Module) -> list[str]:
     return units
 
 
-def _stage_units(units: list[str], split_points: Sequence[str], num_stages: int) -> list[list[str]]:
+def stage_units_of(units: list[str], split_points: Sequence[str], num_stages: int) -> list[list[str]]:
+    """The units of each of ``num_stages`` stages, given the units that start stages 1, 2, ..."""
     if len(split_points) != num_stages - 1:
         raise ValueError(f"{num_stages} stages need {num_stages - 1} split points, got {list(split_points)}")
     cuts = []
@@ -69,7 +70,7 @@ def _stage_units(units: list[str], split_points: Sequence[str], num_stages: int)
         cuts.append(units.index(point))
     if cuts != sorted(cuts) or len(set(cuts)) != len(cuts) or (cuts and cuts[0] == 0):
         raise ValueError(f"split points {list(split_points)} must be increasing units after the first one")
-    bounds = [0, *cuts, len(units)]
+    bounds = [0, *cuts, len(units)]  # the units of each stage, in stage order
     return [units[bounds[s] : bounds[s + 1]] for s in range(num_stages)]
 
 
@@ -133,7 +134,7 @@ def build_pipeline(
         )
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
     num_stages = pp * stages_per_rank
-    per_stage = _stage_units(model_units(model), split_points, num_stages)
+    per_stage = stage_units_of(model_units(model), split_points, num_stages)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     indices = [rank + k * pp for k in range(stages_per_rank)]

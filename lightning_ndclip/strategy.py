@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_ndclip.mesh import ParallelDims, ParallelMeshes
 from lightning_ndclip.parallelize import parallelize
-from lightning_ndclip.pipeline import build_pipeline
+from lightning_ndclip.pipeline import build_pipeline, model_units, stage_units_of, tie_gradients
 from lightning_ndclip.loss import sync_sample_weights, sync_token_count
 from lightning_ndclip.reduce import use_sum_reduction
 
@@ -91,6 +91,10 @@ class NDParallelStrategy(ModelParallelStrategy):
             target)``, which does forward and backward and returns the loss; the module defines
             ``pipeline_loss(output, target)``: a micro-batch's mean loss, or its loss *sum* with
             ``loss_normalization="token_mean"``. The strategy then never calls backward itself.
+        pp_tied_parameters: groups of parameter names (as in the unsplit model) that are one
+            parameter held by several stages, e.g. ``[("embed.weight", "head.weight")]``: their
+            gradients are summed over the holding stages after each window and counted once by
+            ``GlobalNormClip``.
         sum_reduction: make every FSDP2 gradient reduction a plain SUM after ``configure_model``
             (:func:`lightning_ndclip.use_sum_reduction`), for a ``training_step`` that normalizes its
             loss by global counts itself. Implied by ``loss_normalization``.
@@ -121,6 +125,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         pp_microbatches: int | None = None,
         pp_stages_per_rank: int = 1,
         pp_module: str = "model",
+        pp_tied_parameters: Sequence[Sequence[str]] = (),
         sum_reduction: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -159,7 +164,9 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._pp = dict(
             split_points=tuple(pp_split_points), schedule=pp_schedule, stages_per_rank=pp_stages_per_rank,
             n_microbatches=pp_microbatches or stages, module=pp_module,
+            tied=tuple(tuple(group) for group in pp_tied_parameters),
         )
+        self._ties: list[tuple[list[torch.Tensor], Any]] = []
         self._pipeline: Any = None
         self._pp_scale = 1.0
         self._windows: LossWindows | None = None
@@ -215,6 +222,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         name, pp, plan, meshes = self._pp["module"], self._pp, self._plan, self.meshes
         if not isinstance(getattr(module, name, None), nn.Module):
             raise ValueError(f"pp_module={name!r}: the LightningModule has no submodule of that name")
+        units = model_units(getattr(module, name))
 
         def parallelize_stage(stage: nn.Module) -> None:
             if callable(getattr(module, "parallelize_stage", None)) and not any(plan.values()):
@@ -241,8 +249,34 @@ class NDParallelStrategy(ModelParallelStrategy):
                 parallelize_fn=parallelize_stage, device=self.root_device,
             )
             setattr(module, name, nn.ModuleList(stages))
+            self._ties = [self._tie_group(names, stages, units) for names in pp["tied"]]
 
         module.configure_model = configure_model
+
+    def _tie_group(
+        self, names: Sequence[str], stages: list[nn.Module], units: list[str]
+    ) -> tuple[list[torch.Tensor], Any]:
+        """This rank's copies of one tied parameter and the process group of the ranks (in this rank's
+        pp column) whose stages hold a copy. Collective: every rank creates every column's group."""
+        pp, per_rank = self._dims.pp, self._pp["stages_per_rank"]
+        per_stage = stage_units_of(units, self._pp["split_points"], pp * per_rank)
+        owners = sorted({i % pp for i, keep in enumerate(per_stage) if any(n.rsplit(".", 1)[0] in keep for n in names)})
+        if len(owners) < 2:
+            raise ValueError(f"pp_tied_parameters {list(names)}: held by fewer than two pipeline ranks")
+        columns = self.meshes.world.mesh.reshape(pp, -1)
+        mine = int((columns == self.global_rank).nonzero()[0, 1])
+        group = None
+        for c in range(columns.shape[1]):
+            g = dist.new_group([int(columns[o, c]) for o in owners])
+            group = g if c == mine else group
+        holders = [p for stage in stages for n, p in stage.named_parameters() if n in names]
+        return holders, group
+
+    @property
+    def tied_parameters(self) -> dict[str, torch.Tensor] | None:
+        """``{key: this rank's copy}`` of the parameters tied across pipeline stages (for the norm)."""
+        ties = {names[0]: holders[0] for names, (holders, _) in zip(self._pp["tied"], self._ties) if holders}
+        return ties or None
 
     def _pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.lightning_module.pipeline_loss(output, target) * self._pp_scale
@@ -336,15 +370,22 @@ class NDParallelStrategy(ModelParallelStrategy):
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
         if self._windows is None:
-            if automatic:
-                self._set_gradient_sync(not trainer.fit_loop._should_accumulate())
+            last = not (automatic and trainer.fit_loop._should_accumulate())
+            self._set_gradient_sync(last)
+            if self._pipeline is None:
+                return super().training_step(*args, **kwargs)
             self._pp_scale = 1.0 / (self._pp["n_microbatches"] * k)  # micro-batch means -> window mean
-            return super().training_step(*args, **kwargs)
-        scale, last = self._windows.window_of(batch_idx)
-        self._set_gradient_sync(last)
-        if self._pipeline is not None:  # token_mean: micro-batch loss sums / N (no Lightning division)
-            self._pp_scale = 1.0 / scale.to(torch.float64).clamp(min=1)
-            return super().training_step(*args, **kwargs)
+        else:
+            scale, last = self._windows.window_of(batch_idx)
+            self._set_gradient_sync(last)
+            if self._pipeline is not None:  # token_mean: micro-batch loss sums / N, no Lightning division
+                self._pp_scale = 1.0 / scale.to(torch.float64).clamp(min=1)
+        if self._pipeline is not None:
+            output = super().training_step(*args, **kwargs)
+            if last:  # the window's gradients are complete: sum tied copies over their stages
+                for holders, group in self._ties:
+                    tie_gradients(holders, group)
+            return output
         output = super().training_step(*args, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
         if self._loss_normalization == "token_mean":

@@ -116,7 +116,7 @@ def test_split_points_are_checked():
     assert model_units(model) == ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
     stage = split_model(model, ["layers.2", "layers.3", "head"])
     assert stage.embed is None and list(stage.layers) == ["2", "3"]
-    from lightning_ndclip.pipeline import _stage_units
+    from lightning_ndclip.pipeline import stage_units_of as _stage_units
 
     with pytest.raises(ValueError, match="not a unit"):
         _stage_units(model_units(model), ["layers.9"], 2)
@@ -239,3 +239,40 @@ def test_trainer_with_pipeline_matches_single_device(dp_shard, schedule, stages_
         for name, value in r["params"].items():
             assert float((value - expected[name]).norm() / expected[name].norm()) < 1e-12, name
 
+
+
+class _TiedPipelinedLM(_PipelinedLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TinyLM(tied=True)
+
+
+def _trainer_tied_case() -> dict:
+    use_existing_process_group()
+    module = _TiedPipelinedLM()
+    module.dp = 1
+    recorder = Recorder()
+    strategy = nd.NDParallelStrategy(
+        pp=2, dp_shard=1, pp_split_points=["layers.2"], pp_microbatches=2, loss_normalization="token_mean",
+        pp_tied_parameters=[("embed.weight", "head.weight")],
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=1, accumulate_grad_batches=2,
+        callbacks=[nd.GlobalNormClip(PP_MAX_NORM)], logger=recorder, log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(module)
+    params = {n: p.detach().full_tensor() for stage in module.model for n, p in stage.named_parameters()}
+    return {"params": params, "norm": [m for _, m in recorder.rows if "grad_norm/total" in m][0]["grad_norm/total"]}
+
+
+def test_trainer_ties_embedding_and_head_across_stages():
+    ref_grads, ref_norm = _reference(True)
+    coef = min(1.0, PP_MAX_NORM / (float(ref_norm) + 1e-6))
+    init = dict(TinyLM(tied=True).named_parameters(remove_duplicate=False))
+    for r in run_on_ranks(2, _trainer_tied_case):
+        assert abs(r["norm"] - float(ref_norm)) <= 1e-12 * float(ref_norm)
+        for name, value in r["params"].items():
+            expected = init[name].detach() - PP_LR * coef * ref_grads[name]
+            assert float((value - expected).norm() / expected.norm()) < 1e-12, name
+        assert {"embed.weight", "head.weight"} & set(r["params"])
