@@ -4,17 +4,27 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 from itertools import islice
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -399,6 +409,37 @@ class NDParallelStrategy(ModelParallelStrategy):
                 )
             scaled = (loss * scale.to(loss.dtype)).sum() * k
         return {**output, "loss": scaled} if isinstance(output, Mapping) else scaled
+
+    def _optimizer_options(self) -> StateDictOptions:
+        # flattened keys (one per parameter): pipeline stages hold different parameters, and a single
+        # shared "param_groups" entry would be written once for all of them
+        return StateDictOptions(
+            full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True, flatten_optimizer_state_dict=True
+        )
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self._dims is None or self._dims.pp == 1:
+            return super().optimizer_state(optimizer)
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        return get_optimizer_state_dict(self.model, optimizer, options=self._optimizer_options())
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """As Lightning's ModelParallelStrategy; with ``pp > 1``, optimizer states use flattened
+        per-parameter keys, so every stage restores its own parameter groups."""
+        if self._dims is None or self._dims.pp == 1:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_dir():
+            raise ValueError(f"with pp > 1, resume from a distributed (sharded) checkpoint directory, got {path}")
+        options = self._optimizer_options()
+        state = {"state_dict": get_model_state_dict(self.model)}
+        for i, optimizer in enumerate(self.optimizers):
+            state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer, options=options)
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(self.model, state["state_dict"], options=StateDictOptions(strict=self.lightning_module.strict_loading))
+        for i, optimizer in enumerate(self.optimizers):
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[f"optimizer_{i}"], options=options)
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

@@ -276,3 +276,46 @@ def test_trainer_ties_embedding_and_head_across_stages():
             expected = init[name].detach() - PP_LR * coef * ref_grads[name]
             assert float((value - expected).norm() / expected.norm()) < 1e-12, name
         assert {"embed.weight", "head.weight"} & set(r["params"])
+
+
+class _AdamPipelinedLM(_PipelinedLM):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    def pipeline_loss(self, output, target):  # a micro-batch mean (no loss_normalization)
+        return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=-100)
+
+
+def _pp_resume_case(directory: str) -> dict:
+    use_existing_process_group()
+
+    def trainer(epochs: int) -> L.Trainer:
+        strategy = nd.NDParallelStrategy(pp=2, dp_shard=1, pp_split_points=["layers.2"], pp_microbatches=2)
+        return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
+                         callbacks=[nd.GlobalNormClip(PP_MAX_NORM)], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+
+    def module() -> _AdamPipelinedLM:
+        m = _AdamPipelinedLM()
+        m.dp = 1
+        return m
+
+    straight = module()
+    trainer(3).fit(straight)
+    first = trainer(1)
+    first.fit(module())
+    first.save_checkpoint(f"{directory}/pp.ckpt")
+    resumed = module()
+    with torch.no_grad():  # only a real restore (weights and Adam state) can undo this
+        for p in resumed.parameters():
+            p.add_(1.0)
+    trainer(3).fit(resumed, ckpt_path=f"{directory}/pp.ckpt")
+    params = lambda m: {n: p.detach().full_tensor() for s in m.model for n, p in s.named_parameters()}  # noqa: E731
+    return {"straight": params(straight), "resumed": params(resumed)}
+
+
+def test_pipelined_training_resumes_from_a_checkpoint_exactly(tmp_path):
+    for r in run_on_ranks(2, _pp_resume_case, str(tmp_path)):
+        assert r["straight"] and r["straight"].keys() == r["resumed"].keys()
+        for name, value in r["straight"].items():
+            assert torch.equal(value, r["resumed"][name]), name
