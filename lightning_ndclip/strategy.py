@@ -292,20 +292,28 @@ class NDParallelStrategy(ModelParallelStrategy):
         return self.lightning_module.pipeline_loss(output, target) * self._pp_scale
 
     def run_pipeline(self, inputs: Any = None, target: Any = None) -> torch.Tensor:
-        """Run the pipeline schedule on one batch (forward and backward of every micro-batch) and
-        return the batch's loss, detached, on every rank (broadcast from the last stage). Give
-        ``inputs`` and ``target`` on every rank; each stage uses what it needs."""
+        """Run the pipeline schedule on one batch and return the batch's loss, detached, on every rank
+        (broadcast from the last stage). Give ``inputs`` and ``target`` on every rank; each stage uses
+        what it needs.
+
+        In training: forward and backward of every micro-batch, the loss scaled as the gradients are.
+        In validation / testing (call it from ``validation_step``): forward only, and the loss is the
+        plain sum of ``pipeline_loss`` over the micro-batches."""
         if self._pipeline is None:
             raise RuntimeError("run_pipeline needs NDParallelStrategy(pp > 1)")
         pp_mesh = self.meshes["pp"]
         rank, size = pp_mesh.get_local_rank(), pp_mesh.size()
+        training = self.lightning_module.trainer.training
+        run = self._pipeline.step if training else self._pipeline.eval
+        if not training:
+            self._pp_scale = 1.0  # evaluation: the plain sum of pipeline_loss over micro-batches
         losses: list[torch.Tensor] = []
         if rank == 0:
-            self._pipeline.step(inputs, target=target if rank == size - 1 else None, losses=losses)
+            run(inputs, target=target if rank == size - 1 else None, losses=losses)
         elif rank == size - 1:
-            self._pipeline.step(target=target, losses=losses)
+            run(target=target, losses=losses)
         else:
-            self._pipeline.step()
+            run()
         # float64 on every rank: the broadcast must agree in size whatever the loss dtype
         loss = torch.zeros((), dtype=torch.float64, device=self.root_device)
         if losses:

@@ -319,3 +319,74 @@ def test_pipelined_training_resumes_from_a_checkpoint_exactly(tmp_path):
         assert r["straight"] and r["straight"].keys() == r["resumed"].keys()
         for name, value in r["straight"].items():
             assert torch.equal(value, r["resumed"][name]), name
+
+
+class _ValidatedPipelinedLM(_PipelinedLM):
+    def validation_step(self, batch, batch_idx):
+        loss_sum = self.trainer.strategy.run_pipeline(*batch)  # forward only: Σ of micro-batch sums
+        self.log("val_loss_sum", loss_sum, sync_dist=True, reduce_fx="sum")
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+def _validate_case() -> float:
+    use_existing_process_group()
+    module = _ValidatedPipelinedLM()
+    module.dp = 1
+    strategy = nd.NDParallelStrategy(pp=2, dp_shard=1, pp_split_points=["layers.2"], pp_microbatches=2)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    (result,) = trainer.validate(module)
+    return result["val_loss_sum"]
+
+
+def test_validation_runs_the_pipeline_forward_only():
+    tokens, labels = _batch()
+    with torch.no_grad():
+        expected = float(nn.functional.cross_entropy(
+            TinyLM()(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"))
+    for value in run_on_ranks(2, _validate_case):
+        assert abs(value - expected) <= 1e-12 * expected
+
+
+class _TPPipelinedLM(_PipelinedLM):
+    def parallelize_stage(self, stage: nn.Module) -> None:  # TP on this stage's pair, then FSDP2
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        meshes = self.trainer.strategy.meshes
+        first = int(sorted(stage.layers)[0])
+        parallelize_module(stage, meshes["tp"], {f"layers.{first}": ColwiseParallel(), f"layers.{first + 1}": RowwiseParallel()})
+        for layer in stage.layers.values():
+            fully_shard(layer, mesh=meshes["fsdp"])
+        fully_shard(stage, mesh=meshes["fsdp"])
+
+
+def _pp_dp_tp_trainer_case(schedule: str) -> dict:
+    use_existing_process_group()
+    module = _TPPipelinedLM()
+    module.dp = 2
+    recorder = Recorder()
+    strategy = nd.NDParallelStrategy(
+        pp=2, dp_shard=2, tp=2, pp_split_points=["layers.2"], pp_schedule=schedule, pp_microbatches=2,
+        loss_normalization="token_mean",
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=8, strategy=strategy, max_steps=1, accumulate_grad_batches=2,
+        callbacks=[nd.GlobalNormClip(PP_MAX_NORM)], logger=recorder, log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(module)
+    params = {n: p.detach().full_tensor() for stage in module.model for n, p in stage.named_parameters()}
+    return {"params": params, "norm": [m for _, m in recorder.rows if "grad_norm/total" in m][0]["grad_norm/total"]}
+
+
+def test_trainer_pp2_dp2_tp2_on_eight_ranks_matches_single_device():
+    ref_grads, ref_norm = _reference(False)
+    coef = min(1.0, PP_MAX_NORM / (float(ref_norm) + 1e-6))
+    expected = {n: p.detach() - PP_LR * coef * ref_grads[n] for n, p in TinyLM().named_parameters()}
+    for r in run_on_ranks(8, _pp_dp_tp_trainer_case, "1f1b"):
+        assert abs(r["norm"] - float(ref_norm)) <= 1e-12 * float(ref_norm)
+        for name, value in r["params"].items():
+            assert float((value - expected[name]).norm() / expected[name].norm()) < 1e-12, name
