@@ -199,6 +199,23 @@ class _PipelinedLM(L.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_batch()), batch_size=8 // self.dp // 2)
 
 
+def _reference_steps(steps: int, tied: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One device, clipped SGD on the whole batch per step (each Trainer step below covers every row:
+    2 accumulated batches x dp ranks), so the data order inside a step does not matter."""
+    model = TinyLM(tied=tied)
+    tokens, labels = _batch()
+    norms = []
+    for _ in range(steps):
+        model.zero_grad()
+        loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), PP_MAX_NORM)))
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= PP_LR * p.grad
+    return norms, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
 def _trainer_pp_case(dp_shard: int, schedule: str, stages_per_rank: int) -> dict:
     use_existing_process_group()
     recorder = Recorder()
@@ -210,15 +227,15 @@ def _trainer_pp_case(dp_shard: int, schedule: str, stages_per_rank: int) -> dict
         pp_microbatches=2, loss_normalization="token_mean", fsdp_units=(nn.Linear,) if dp_shard > 1 else (),
     )
     trainer = L.Trainer(
-        accelerator="cpu", devices=2 * dp_shard, strategy=strategy, max_steps=1, accumulate_grad_batches=2,
+        accelerator="cpu", devices=2 * dp_shard, strategy=strategy, max_steps=2, accumulate_grad_batches=2,
         callbacks=[nd.GlobalNormClip(PP_MAX_NORM)], logger=recorder, log_every_n_steps=1,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    trainer.fit(module)  # one step = 2 micro-batch windows x dp ranks = the whole batch
+    trainer.fit(module)  # each step = 2 batches x dp ranks = the whole batch (one epoch)
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
     params = {n: full(p.detach()) for stage in module.model for n, p in stage.named_parameters()}
-    logged = [m for _, m in recorder.rows if "grad_norm/total" in m]
-    return {"params": params, "norm": logged[0]["grad_norm/total"], "loss": float(trainer.callback_metrics["loss_share"])}
+    norms = [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m]
+    return {"params": params, "norms": norms, "loss": float(trainer.callback_metrics["loss_share"])}
 
 
 @pytest.mark.parametrize(
@@ -227,14 +244,19 @@ def _trainer_pp_case(dp_shard: int, schedule: str, stages_per_rank: int) -> dict
     ids=["pp2-1f1b", "pp2-interleaved", "pp2xdp2-fsdp-gpipe"],
 )
 def test_trainer_with_pipeline_matches_single_device(dp_shard, schedule, stages_per_rank):
-    ref_grads, ref_norm = _reference(False)
-    coef = min(1.0, PP_MAX_NORM / (float(ref_norm) + 1e-6))
-    expected = {n: p.detach() - PP_LR * coef * ref_grads[n] for n, p in TinyLM().named_parameters()}
+    ref_norms, expected = _reference_steps(2)
+    assert min(ref_norms) > PP_MAX_NORM, "clipping should be active at every step"
     tokens, labels = _batch()
-    with torch.no_grad():
-        ref_loss = float(nn.functional.cross_entropy(TinyLM()(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100))
+    one_step = _reference_steps(1)[1]
+    with torch.no_grad():  # the loss of the last step, before its update
+        model = TinyLM()
+        for n, p in model.named_parameters():
+            p.copy_(one_step[n])
+        ref_loss = float(nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100))
     for r in run_on_ranks(2 * dp_shard, _trainer_pp_case, dp_shard, schedule, stages_per_rank):
-        assert abs(r["norm"] - float(ref_norm)) <= 1e-12 * float(ref_norm)
+        assert len(r["norms"]) == 2
+        for ours, ref in zip(r["norms"], ref_norms):
+            assert abs(ours - ref) <= 1e-12 * ref
         assert abs(r["loss"] - ref_loss) <= 1e-12 * ref_loss  # every rank sees the last stage's loss
         for name, value in r["params"].items():
             assert float((value - expected[name]).norm() / expected[name].norm()) < 1e-12, name
@@ -373,20 +395,20 @@ def _pp_dp_tp_trainer_case(schedule: str) -> dict:
         loss_normalization="token_mean",
     )
     trainer = L.Trainer(
-        accelerator="cpu", devices=8, strategy=strategy, max_steps=1, accumulate_grad_batches=2,
+        accelerator="cpu", devices=8, strategy=strategy, max_steps=2, accumulate_grad_batches=2,
         callbacks=[nd.GlobalNormClip(PP_MAX_NORM)], logger=recorder, log_every_n_steps=1,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(module)
     params = {n: p.detach().full_tensor() for stage in module.model for n, p in stage.named_parameters()}
-    return {"params": params, "norm": [m for _, m in recorder.rows if "grad_norm/total" in m][0]["grad_norm/total"]}
+    return {"params": params, "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m]}
 
 
 def test_trainer_pp2_dp2_tp2_on_eight_ranks_matches_single_device():
-    ref_grads, ref_norm = _reference(False)
-    coef = min(1.0, PP_MAX_NORM / (float(ref_norm) + 1e-6))
-    expected = {n: p.detach() - PP_LR * coef * ref_grads[n] for n, p in TinyLM().named_parameters()}
+    ref_norms, expected = _reference_steps(2)
     for r in run_on_ranks(8, _pp_dp_tp_trainer_case, "1f1b"):
-        assert abs(r["norm"] - float(ref_norm)) <= 1e-12 * float(ref_norm)
+        assert len(r["norms"]) == 2
+        for ours, ref in zip(r["norms"], ref_norms):
+            assert abs(ours - ref) <= 1e-12 * ref
         for name, value in r["params"].items():
             assert float((value - expected[name]).norm() / expected[name].norm()) < 1e-12, name
