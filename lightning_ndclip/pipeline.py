@@ -37,7 +37,15 @@ from torch.distributed.pipelining.schedules import (
     ScheduleLoopedBFS,
 )
 
-__all__ = ["SCHEDULES", "build_pipeline", "model_units", "split_model", "stage_units_of", "tie_gradients"]
+__all__ = [
+    "SCHEDULES",
+    "build_pipeline",
+    "model_units",
+    "schedule_stages",
+    "split_model",
+    "stage_units_of",
+    "tie_gradients",
+]
 
 SCHEDULES: dict[str, type] = {
     "gpipe": ScheduleGPipe,
@@ -142,11 +150,37 @@ def build_pipeline(
     if parallelize_fn is not None:
         for module in modules:
             parallelize_fn(module)
-    group = pp_mesh.get_group()
-    stages = [PipelineStage(m, i, num_stages, device, group=group) for m, i in zip(modules, indices)]
-    cls = SCHEDULES[schedule]
-    built = cls(stages if multi else stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    built = schedule_stages(
+        dict(zip(indices, modules)), num_stages, pp_mesh, n_microbatches=n_microbatches, loss_fn=loss_fn,
+        schedule=schedule, device=device,
+    )
     return built, modules
+
+
+def schedule_stages(
+    stages: dict[int, nn.Module],
+    num_stages: int,
+    pp_mesh: DeviceMesh,
+    *,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    schedule: str = "1f1b",
+    device: torch.device,
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    """The schedule (``scale_grads=False``) over stage modules built by the caller: ``{global stage
+    index: module}`` for this rank's stages, already parallelized."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}; choose one of {sorted(SCHEDULES)}")
+    cls = SCHEDULES[schedule]
+    multi = issubclass(cls, PipelineScheduleMulti)
+    if not multi and len(stages) != 1:
+        raise ValueError(f"schedule={schedule!r} runs one stage per rank; this rank has {len(stages)}")
+    bad = [i for i in stages if not 0 <= i < num_stages]
+    if bad:
+        raise ValueError(f"stage indices {bad} are outside 0..{num_stages - 1}")
+    group = pp_mesh.get_group()
+    built = [PipelineStage(m, i, num_stages, device, group=group) for i, m in sorted(stages.items())]
+    return cls(built if multi else built[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 def tie_gradients(parameters: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:

@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_ndclip.mesh import ParallelDims, ParallelMeshes
 from lightning_ndclip.parallelize import parallelize
-from lightning_ndclip.pipeline import build_pipeline, model_units, stage_units_of, tie_gradients
+from lightning_ndclip.pipeline import build_pipeline, model_units, schedule_stages, stage_units_of, tie_gradients
 from lightning_ndclip.loss import sync_sample_weights, sync_token_count
 from lightning_ndclip.reduce import use_sum_reduction
 
@@ -90,7 +90,10 @@ class NDParallelStrategy(ModelParallelStrategy):
             Giving any of these four parallelizes a plain LightningModule with no parallel code; the
             module must then not override ``configure_model`` (one way or the other, not both).
         pp_split_points: with ``pp > 1``: the units that start stages 1, 2, ... (see
-            :mod:`lightning_ndclip.pipeline`; ``pp x pp_stages_per_rank - 1`` of them).
+            :mod:`lightning_ndclip.pipeline`; ``pp x pp_stages_per_rank - 1`` of them). Leave empty
+            to build the stages yourself: a ``configure_model`` that sets ``pp_module`` to an
+            ``nn.ModuleDict`` ``{str(global stage index): parallelized stage module}`` of this
+            rank's stages (``pp_stages_per_rank`` of them).
         pp_schedule: ``"gpipe"``, ``"1f1b"`` (default), ``"interleaved_1f1b"`` or ``"looped_bfs"``.
         pp_microbatches: micro-batches per batch (default: the number of stages).
         pp_stages_per_rank: virtual stages per rank (for the interleaved / looped schedules).
@@ -164,7 +167,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             mp_policy=mp_policy,
         )
         stages = pp * pp_stages_per_rank
-        if pp > 1 and len(pp_split_points) != stages - 1:
+        if pp > 1 and pp_split_points and len(pp_split_points) != stages - 1:
             raise ValueError(
                 f"pp={pp} x pp_stages_per_rank={pp_stages_per_rank} = {stages} stages need {stages - 1} "
                 f"pp_split_points, got {list(pp_split_points)}"
@@ -177,6 +180,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             tied=tuple(tuple(group) for group in pp_tied_parameters),
         )
         self._ties: list[tuple[list[torch.Tensor], Any]] = []
+        self._user_stages = False
         self._pipeline: Any = None
         self._pp_scale = 1.0
         self._windows: LossWindows | None = None
@@ -223,13 +227,16 @@ class NDParallelStrategy(ModelParallelStrategy):
     def _install_pipeline(self, module: pl.LightningModule) -> None:
         """Give the LightningModule a ``configure_model`` that cuts ``pp_module`` into this rank's
         stages, parallelizes each and builds the schedule."""
-        if is_overridden("configure_model", module):
-            raise ValueError(
-                f"with pp > 1, NDParallelStrategy builds the stages: {type(module).__name__} must not "
-                "override configure_model(); parallelize stages with the declarative arguments or a "
-                "parallelize_stage(stage) method"
-            )
         name, pp, plan, meshes = self._pp["module"], self._pp, self._plan, self.meshes
+        self._install_pipeline_zero_grad(module)
+        if is_overridden("configure_model", module):  # the user builds this rank's stages
+            if pp["split_points"] or pp["tied"] or any(plan.values()):
+                raise ValueError(
+                    f"{type(module).__name__} overrides configure_model() (building its own stages) and "
+                    "NDParallelStrategy got pp_split_points / pp_tied_parameters / a declarative plan: use one way"
+                )
+            self._user_stages = True
+            return
         if not isinstance(getattr(module, name, None), nn.Module):
             raise ValueError(f"pp_module={name!r}: the LightningModule has no submodule of that name")
         units = model_units(getattr(module, name))
@@ -240,6 +247,18 @@ class NDParallelStrategy(ModelParallelStrategy):
             else:  # the plan, or at least one FSDP2 unit per stage (DTensor parameters: checkpoints)
                 parallelize(stage, meshes, **plan)
 
+        def configure_model() -> None:
+            self._pipeline, stages = build_pipeline(
+                getattr(module, name), meshes["pp"], pp["split_points"], n_microbatches=pp["n_microbatches"],
+                loss_fn=self._pipeline_loss, schedule=pp["schedule"], stages_per_rank=pp["stages_per_rank"],
+                parallelize_fn=parallelize_stage, device=self.root_device,
+            )
+            setattr(module, name, nn.ModuleList(stages))
+            self._ties = [self._tie_group(names, stages, units) for names in pp["tied"]]
+
+        module.configure_model = configure_model
+
+    def _install_pipeline_zero_grad(self, module: pl.LightningModule) -> None:
         if is_overridden("optimizer_zero_grad", module):
             raise ValueError(
                 f"with pp > 1, NDParallelStrategy zeroes gradients itself (Lightning would zero them "
@@ -252,16 +271,21 @@ class NDParallelStrategy(ModelParallelStrategy):
 
         module.optimizer_zero_grad = optimizer_zero_grad
 
-        def configure_model() -> None:
-            self._pipeline, stages = build_pipeline(
-                getattr(module, name), meshes["pp"], pp["split_points"], n_microbatches=pp["n_microbatches"],
-                loss_fn=self._pipeline_loss, schedule=pp["schedule"], stages_per_rank=pp["stages_per_rank"],
-                parallelize_fn=parallelize_stage, device=self.root_device,
+    def _schedule_user_stages(self) -> None:
+        """After the user's configure_model: ``pp_module`` is ``{global stage index: stage}`` (an
+        ``nn.ModuleDict``) of this rank's parallelized stages; build the schedule over them."""
+        name, pp = self._pp["module"], self._pp
+        stages = getattr(self.lightning_module, name, None)
+        if not isinstance(stages, nn.ModuleDict):
+            raise ValueError(
+                f"with pp > 1 and a configure_model(), set self.{name} = nn.ModuleDict({{str(stage_index): "
+                f"stage_module}}) of this rank's stages; got {type(stages).__name__}"
             )
-            setattr(module, name, nn.ModuleList(stages))
-            self._ties = [self._tie_group(names, stages, units) for names in pp["tied"]]
-
-        module.configure_model = configure_model
+        self._pipeline = schedule_stages(
+            {int(i): m for i, m in stages.items()}, self._dims.pp * pp["stages_per_rank"], self.meshes["pp"],
+            n_microbatches=pp["n_microbatches"], loss_fn=self._pipeline_loss, schedule=pp["schedule"],
+            device=self.root_device,
+        )
 
     def _tie_group(
         self, names: Sequence[str], stages: list[nn.Module], units: list[str]
@@ -352,6 +376,8 @@ class NDParallelStrategy(ModelParallelStrategy):
                 f"NDParallelStrategy(loss_normalization={self._loss_normalization!r}) needs the "
                 f"LightningModule to define {needed}"
             )
+        if self._user_stages:
+            self._schedule_user_stages()
         super().setup(trainer)
         if self._sum_reduction:
             assert self.model is not None

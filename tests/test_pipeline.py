@@ -412,3 +412,42 @@ def test_trainer_pp2_dp2_tp2_on_eight_ranks_matches_single_device():
             assert abs(ours - ref) <= 1e-12 * ref
         for name, value in r["params"].items():
             assert float((value - expected[name]).norm() / expected[name].norm()) < 1e-12, name
+
+
+class _UserStagedLM(_PipelinedLM):
+    def configure_model(self) -> None:  # the second way: build and parallelize this rank's stage
+        from torch.distributed.fsdp import fully_shard
+
+        from lightning_ndclip.pipeline import stage_units_of
+
+        meshes = self.trainer.strategy.meshes
+        index = meshes["pp"].get_local_rank()
+        stage = split_model(TinyLM(), stage_units_of(model_units(TinyLM()), ["layers.2"], 2)[index])
+        fully_shard(stage, mesh=meshes["fsdp"])
+        self.model = nn.ModuleDict({str(index): stage})
+
+
+def _user_stages_case() -> dict:
+    use_existing_process_group()
+    module = _UserStagedLM()
+    module.dp = 1
+    recorder = Recorder()
+    strategy = nd.NDParallelStrategy(pp=2, dp_shard=1, pp_microbatches=2, loss_normalization="token_mean")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=2, accumulate_grad_batches=2,
+        callbacks=[nd.GlobalNormClip(PP_MAX_NORM)], logger=recorder, log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(module)
+    params = {n: p.detach().full_tensor() for stage in module.model.values() for n, p in stage.named_parameters()}
+    return {"params": params, "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m]}
+
+
+def test_stages_built_in_configure_model_match_single_device():
+    ref_norms, expected = _reference_steps(2)
+    for r in run_on_ranks(2, _user_stages_case):
+        assert len(r["norms"]) == 2 and r["params"]
+        for ours, ref in zip(r["norms"], ref_norms):
+            assert abs(ours - ref) <= 1e-12 * ref
+        for name, value in r["params"].items():
+            assert float((value - expected[name]).norm() / expected[name].norm()) < 1e-12, name
