@@ -39,6 +39,7 @@ def parallelize(
     activation_checkpointing: Sequence[type[nn.Module]] = (),
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
+    root_units: Sequence[nn.Module] | None = None,
 ) -> nn.Module:
     """Apply tensor parallelism, activation checkpointing and FSDP2 to ``module``, in that order.
 
@@ -53,6 +54,10 @@ def parallelize(
         activation_checkpointing: module classes whose instances recompute activations in backward.
         mp_policy: FSDP2 mixed-precision policy (e.g. bf16 parameters, fp32 reduction).
         reshard_after_forward: FSDP2's choice for the non-root units.
+        root_units: the modules whose ``forward`` is called, each made one more unit for the
+            parameters no ``fsdp_units`` member holds (default: ``module`` itself). A LightningModule
+            whose ``training_step`` calls ``self.model(...)`` needs ``[self.model]``: FSDP2 gathers a
+            unit's parameters in that unit's forward.
 
     Raises:
         ValueError: naming the argument, when a class matches no submodule or a TP plan is given
@@ -75,5 +80,6 @@ def parallelize(
         raise ValueError(f"fsdp_units={[c.__name__ for c in units]} matches no submodule")
     for unit in matched:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **fsdp_kwargs)
-    fully_shard(module, **fsdp_kwargs)
+    for root in [module] if root_units is None else root_units:
+        fully_shard(root, **fsdp_kwargs)
     return module

@@ -181,6 +181,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         )
         self._ties: list[tuple[list[torch.Tensor], Any]] = []
         self._user_stages = False
+        self._window_scale: torch.Tensor | None = None
         self._pipeline: Any = None
         self._pp_scale = 1.0
         self._windows: LossWindows | None = None
@@ -218,6 +219,15 @@ class NDParallelStrategy(ModelParallelStrategy):
             self._install_pipeline(self.lightning_module)
         elif any(self._plan.values()):
             self._install_declarative_plan(self.lightning_module)
+
+    @property
+    def window_tokens(self) -> torch.Tensor:
+        """With ``loss_normalization="token_mean"``: the global valid-token count of the current
+        accumulation window (0-dim tensor), e.g. to log ``loss_sum / window_tokens`` as this rank's
+        exact share of the window's mean loss."""
+        if self._loss_normalization != "token_mean" or self._window_scale is None:
+            raise RuntimeError("window_tokens is known inside training_step with loss_normalization='token_mean'")
+        return self._window_scale
 
     @property
     def pipeline_mesh(self) -> DeviceMesh | None:
@@ -363,7 +373,12 @@ class NDParallelStrategy(ModelParallelStrategy):
         meshes, plan = self.meshes, self._plan
 
         def configure_model() -> None:
-            parallelize(module, meshes, **plan)
+            # the children training_step calls get the root units (the LightningModule's own
+            # forward is usually never called); a LightningModule with its own parameters too
+            roots = [c for c in module.children() if any(True for _ in c.parameters())]
+            if any(True for _ in module.parameters(recurse=False)) or not roots:
+                roots.append(module)
+            parallelize(module, meshes, **plan, root_units=roots)
 
         module.configure_model = configure_model
 
@@ -421,6 +436,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             self._pp_scale = 1.0 / (self._pp["n_microbatches"] * k)  # micro-batch means -> window mean
         else:
             scale, last = self._windows.window_of(batch_idx)
+            self._window_scale = scale
             self._set_gradient_sync(last)
             if self._pipeline is not None:  # token_mean: micro-batch loss sums / N, no Lightning division
                 self._pp_scale = 1.0 / scale.to(torch.float64).clamp(min=1)

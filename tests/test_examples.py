@@ -31,3 +31,10 @@ def test_lightning_quickstart_trains_with_lightnings_own_launcher(tmp_path):
     out = _run("lightning_quickstart.py", "--max-steps", "10", "--logdir", str(tmp_path / "runs"), cwd=tmp_path)
     assert "TensorBoard logs:" in out and "summary: final loss" in out
     assert list((tmp_path / "runs" / "quickstart").glob("version_0/events.out.tfevents.*"))
+
+
+def test_train_gpt_runs_fsdp_x_tp_and_logs(tmp_path):
+    out = _run("train_gpt.py", "--max-steps", "4", "--rows", "96", "--logdir", str(tmp_path / "runs"), cwd=tmp_path)
+    loss = float(re.search(r"summary: final loss (\S+),", out).group(1))
+    assert 0 < loss < 10  # a finite mean cross-entropy over 64 tokens (ln 64 ≈ 4.2 at the start)
+    assert list((tmp_path / "runs" / "gpt").glob("version_0/events.out.tfevents.*"))

@@ -1,0 +1,172 @@
+"""Train a small GPT with NDParallelStrategy (FSDP2 x tensor parallel, optional pipeline), the exact
+global token mean, GlobalNormClip(1.0) and TensorBoard, on packed documents it generates itself.
+
+    python examples/train_gpt.py                          # 4 CPU ranks: dp_shard=2 x tp=2, ~1-2 min
+    python examples/train_gpt.py --devices 4 --tp 1 --pp 2 --dp-shard 2    # pipeline x FSDP2
+    python examples/train_gpt.py --accelerator gpu --devices 8 --tp 2 --width 512 --layers 8
+    torchrun --nproc-per-node 4 examples/train_gpt.py     # or under SLURM: srun python ...
+
+The data: documents of random length drawn from a small random Markov chain, packed into rows
+of ``--seq-len`` tokens, padding labelled -100, so ranks hold different numbers of valid tokens
+(which is when per-rank loss averaging goes wrong and the global token mean matters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ndclip import GlobalNormClip, NDParallelStrategy
+
+
+def packed_documents(rows: int, seq_len: int, vocab: int, seed: int = 0) -> TensorDataset:
+    """Rows packed with Markov-chain documents; each row ends with 0..seq_len/4 padding tokens."""
+    g = torch.Generator().manual_seed(seed)
+    transition = torch.softmax(torch.randn(vocab, vocab, generator=g) * 3, dim=-1)
+    tokens = torch.zeros(rows, seq_len + 1, dtype=torch.long)
+    labels = torch.full((rows, seq_len), -100)
+    for r in range(rows):
+        used = seq_len + 1 - int(torch.randint(0, seq_len // 4 + 1, (1,), generator=g))
+        t = int(torch.randint(vocab, (1,), generator=g))
+        for i in range(used):
+            tokens[r, i] = t
+            t = int(torch.multinomial(transition[t], 1, generator=g))
+        labels[r, : used - 1] = tokens[r, 1:used]
+    return TensorDataset(tokens[:, :-1], labels)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = width // heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, s, _ = h.shape
+        qkv = self.qkv(self.norm1(h))  # under TP: this rank's heads only
+        q, k, v = qkv.view(b, s, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.proj(a.transpose(1, 2).reshape(b, s, -1))
+        return h + self.fc2(F.gelu(self.fc1(self.norm2(h))))
+
+
+class GPT(nn.Module):
+    """Embedding, blocks in a ModuleDict (so pipeline stages can be cut between them), head."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, seq_len: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.pos = nn.Parameter(torch.randn(seq_len, width) * 0.02)
+        self.layers = nn.ModuleDict({str(i): Block(width, heads) for i in range(layers)})
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) + self.pos[: x.shape[1]] if self.embed is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.head(self.norm(h)) if self.head is not None else h
+
+
+class LitGPT(L.LightningModule):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.args = args
+        self.model = GPT(args.vocab, args.width, args.layers, args.heads, args.seq_len)
+
+    def count_tokens(self, batch) -> torch.Tensor:  # the strategy's global token count
+        return (batch[1] != -100).sum()
+
+    def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        strategy = self.trainer.strategy
+        if self.args.pp > 1:  # the schedule ran forward and backward; this is the loss / N already
+            loss = share = strategy.run_pipeline(tokens, labels)
+        else:  # return the loss SUM: the strategy divides by the window's global token count N
+            loss = self.pipeline_loss(self.model(tokens), labels)
+            share = loss.detach() / strategy.window_tokens
+        # this rank's exact share of the window's mean loss; summed over the window and the data
+        # ranks it is the single-device mean of the whole window
+        self._window_loss = getattr(self, "_window_loss", 0.0) + share.detach().double()
+        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
+            self.log("train/loss", self._window_loss, prog_bar=True, sync_dist=True, reduce_fx="sum")
+            self._window_loss = 0.0
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.args.lr, weight_decay=0.01)
+
+    def train_dataloader(self):
+        data = packed_documents(self.args.rows, self.args.seq_len, self.args.vocab)
+        return DataLoader(data, batch_size=self.args.batch_size, shuffle=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--accelerator", default="cpu")
+    p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--dp-shard", type=int, default=-1)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--rows", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--accumulate", type=int, default=2)
+    p.add_argument("--max-steps", type=int, default=60)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--max-norm", type=float, default=1.0)
+    p.add_argument("--logdir", default="runs")
+    args = p.parse_args()
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+
+    tp_plan = None
+    if args.tp > 1:
+        tp_plan = {f"model.layers.{i}.{n}": style for i in range(args.layers)
+                   for n, style in (("qkv", ColwiseParallel()), ("proj", RowwiseParallel()),
+                                    ("fc1", ColwiseParallel()), ("fc2", RowwiseParallel()))}
+    pipeline = {}
+    if args.pp > 1:
+        per_stage = args.layers // args.pp
+        pipeline = dict(pp_split_points=[f"layers.{per_stage * s}" for s in range(1, args.pp)], pp_microbatches=2)
+        tp_plan = None  # TP inside pipeline stages: see docs/pipeline.md (a parallelize_stage hook)
+    strategy = NDParallelStrategy(
+        dp_shard=args.dp_shard, tp=args.tp if args.pp == 1 else 1, pp=args.pp, tp_plan=tp_plan,
+        fsdp_units=(Block,), loss_normalization="token_mean", **pipeline,
+    )
+    clip = GlobalNormClip(args.max_norm, log_module_depth=1)
+    logger = TensorBoardLogger(args.logdir, name="gpt")
+    trainer = L.Trainer(
+        accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
+        callbacks=[clip], logger=logger, max_steps=args.max_steps, accumulate_grad_batches=args.accumulate,
+        log_every_n_steps=5, enable_checkpointing=False, enable_model_summary=False,
+    )
+    trainer.fit(LitGPT(args))
+    if trainer.is_global_zero:
+        m = trainer.callback_metrics
+        clipped = float(m["grad_norm/clip_coef"]) < 1.0
+        print(f"TensorBoard logs: {logger.log_dir}  (tensorboard --logdir {args.logdir})")
+        print(f"summary: final loss {float(m['train/loss']):.4f}, last grad norm {float(m['grad_norm/total']):.4f} "
+              f"({'clipped' if clipped else 'not clipped'} at the last logged step), "
+              f"skipped steps {clip.skipped_steps}")
+
+
+if __name__ == "__main__":
+    main()
