@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from itertools import islice
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -33,8 +32,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lightning_ndclip.mesh import ParallelDims, ParallelMeshes
 from lightning_ndclip.parallelize import parallelize
 from lightning_ndclip.pipeline import build_pipeline, model_units, schedule_stages, stage_units_of, tie_gradients
-from lightning_ndclip.loss import sync_sample_weights, sync_token_count
 from lightning_ndclip.reduce import use_sum_reduction
+from lightning_ndclip.windows import LossWindows
 
 __all__ = ["NDParallelStrategy"]
 
@@ -513,60 +512,3 @@ class NDParallelStrategy(ModelParallelStrategy):
 
 
 NDParallelStrategy.register_strategies(StrategyRegistry)
-
-
-class LossWindows:
-    """Wraps the training dataloader: reads each accumulation window ahead, synchronizes its loss
-    normalization (token count, or per-sample weights) over the loss dims, then yields the window's
-    batches one by one.
-
-    Windows follow Lightning's accumulation: ``accumulate_grad_batches`` consecutive batches from
-    the start of the epoch, the last one shorter when the epoch (or ``limit_train_batches``) ends.
-    """
-
-    def __init__(self, dataloader: Any, strategy: NDParallelStrategy, trainer: pl.Trainer) -> None:
-        self.dataloader = dataloader
-        self._strategy = strategy
-        self._trainer = trainer
-        self._windows: dict[int, tuple[torch.Tensor, bool]] = {}
-
-    def __len__(self) -> int:
-        return len(self.dataloader)
-
-    def __getattr__(self, name: str) -> Any:  # sampler, batch_size, ... of the wrapped loader
-        return getattr(self.__dict__["dataloader"], name)
-
-    def window_of(self, batch_idx: int) -> tuple[torch.Tensor, bool]:
-        """The scale of ``batch_idx`` (the window's token count, or its per-token sample weights)
-        and whether it is the window's last batch."""
-        return self._windows.pop(batch_idx)
-
-    def _scales(self, window: list[Any]) -> list[torch.Tensor]:
-        module, meshes, device = self._strategy.lightning_module, self._strategy.meshes, self._strategy.root_device
-        if self._strategy._loss_normalization == "token_mean":
-            counts = [torch.as_tensor(module.count_tokens(b)).to(device) for b in window]
-            return [sync_token_count(counts, group=meshes["dp_cp"].get_group()).total] * len(window)
-        described = [module.sample_ids(b) for b in window]
-        weights = sync_sample_weights(
-            [torch.as_tensor(d[0]).to(device) for d in described],
-            [int(d[1]) for d in described],
-            [torch.as_tensor(d[2]).to(device) for d in described] if all(len(d) > 2 for d in described) else None,
-            cp_group=meshes["cp"].get_group(),
-            dp_group=meshes["dp"].get_group(),
-        )
-        return weights.weights
-
-    def __iter__(self) -> Iterator[Any]:
-        every = self._trainer.accumulate_grad_batches
-        limit = self._trainer.num_training_batches
-        self._windows.clear()
-        batches = iter(self.dataloader)
-        index = 0
-        while index < limit:
-            window = list(islice(batches, int(min(every, limit - index))))
-            if not window:
-                return
-            for position, (batch, scale) in enumerate(zip(window, self._scales(window))):
-                self._windows[index] = (scale, position == len(window) - 1)
-                index += 1
-                yield batch

@@ -216,9 +216,24 @@ def _reference_steps(steps: int, tied: bool = False) -> tuple[list[float], dict[
     return norms, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
+def _fit_two_windows(module: L.LightningModule, strategy, devices: int, steps: int = 2) -> dict:
+    """Fit with accumulation over 2 batches and GlobalNormClip; the final stage parameters (full
+    tensors) and the logged pre-clip norms."""
+    recorder = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, accumulate_grad_batches=2,
+        callbacks=[nd.GlobalNormClip(PP_MAX_NORM)], logger=recorder, log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(module)
+    stages = module.model.values() if isinstance(module.model, nn.ModuleDict) else module.model
+    params = {n: p.detach().full_tensor() for stage in stages for n, p in stage.named_parameters()}
+    norms = [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m]
+    return {"params": params, "norms": norms, "trainer": trainer}
+
+
 def _trainer_pp_case(dp_shard: int, schedule: str, stages_per_rank: int) -> dict:
     use_existing_process_group()
-    recorder = Recorder()
     module = _PipelinedLM()
     module.dp = dp_shard
     splits = {1: ["layers.2"], 2: ["layers.1", "layers.2", "layers.3"]}[stages_per_rank]
@@ -226,16 +241,8 @@ def _trainer_pp_case(dp_shard: int, schedule: str, stages_per_rank: int) -> dict
         pp=2, dp_shard=dp_shard, pp_split_points=splits, pp_schedule=schedule, pp_stages_per_rank=stages_per_rank,
         pp_microbatches=2, loss_normalization="token_mean", fsdp_units=(nn.Linear,) if dp_shard > 1 else (),
     )
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2 * dp_shard, strategy=strategy, max_steps=2, accumulate_grad_batches=2,
-        callbacks=[nd.GlobalNormClip(PP_MAX_NORM)], logger=recorder, log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )
-    trainer.fit(module)  # each step = 2 batches x dp ranks = the whole batch (one epoch)
-    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
-    params = {n: full(p.detach()) for stage in module.model for n, p in stage.named_parameters()}
-    norms = [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m]
-    return {"params": params, "norms": norms, "loss": float(trainer.callback_metrics["loss_share"])}
+    r = _fit_two_windows(module, strategy, devices=2 * dp_shard)  # a step = 2 batches x dp = every row
+    return {"params": r["params"], "norms": r["norms"], "loss": float(r["trainer"].callback_metrics["loss_share"])}
 
 
 @pytest.mark.parametrize(
@@ -273,19 +280,12 @@ def _trainer_tied_case() -> dict:
     use_existing_process_group()
     module = _TiedPipelinedLM()
     module.dp = 1
-    recorder = Recorder()
     strategy = nd.NDParallelStrategy(
         pp=2, dp_shard=1, pp_split_points=["layers.2"], pp_microbatches=2, loss_normalization="token_mean",
         pp_tied_parameters=[("embed.weight", "head.weight")],
     )
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=1, accumulate_grad_batches=2,
-        callbacks=[nd.GlobalNormClip(PP_MAX_NORM)], logger=recorder, log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )
-    trainer.fit(module)
-    params = {n: p.detach().full_tensor() for stage in module.model for n, p in stage.named_parameters()}
-    return {"params": params, "norm": [m for _, m in recorder.rows if "grad_norm/total" in m][0]["grad_norm/total"]}
+    r = _fit_two_windows(module, strategy, devices=2, steps=1)
+    return {"params": r["params"], "norm": r["norms"][0]}
 
 
 def test_trainer_ties_embedding_and_head_across_stages():
@@ -389,19 +389,12 @@ def _pp_dp_tp_trainer_case(schedule: str) -> dict:
     use_existing_process_group()
     module = _TPPipelinedLM()
     module.dp = 2
-    recorder = Recorder()
     strategy = nd.NDParallelStrategy(
         pp=2, dp_shard=2, tp=2, pp_split_points=["layers.2"], pp_schedule=schedule, pp_microbatches=2,
         loss_normalization="token_mean",
     )
-    trainer = L.Trainer(
-        accelerator="cpu", devices=8, strategy=strategy, max_steps=2, accumulate_grad_batches=2,
-        callbacks=[nd.GlobalNormClip(PP_MAX_NORM)], logger=recorder, log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )
-    trainer.fit(module)
-    params = {n: p.detach().full_tensor() for stage in module.model for n, p in stage.named_parameters()}
-    return {"params": params, "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m]}
+    r = _fit_two_windows(module, strategy, devices=8)
+    return {"params": r["params"], "norms": r["norms"]}
 
 
 def test_trainer_pp2_dp2_tp2_on_eight_ranks_matches_single_device():
@@ -431,16 +424,9 @@ def _user_stages_case() -> dict:
     use_existing_process_group()
     module = _UserStagedLM()
     module.dp = 1
-    recorder = Recorder()
     strategy = nd.NDParallelStrategy(pp=2, dp_shard=1, pp_microbatches=2, loss_normalization="token_mean")
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=2, accumulate_grad_batches=2,
-        callbacks=[nd.GlobalNormClip(PP_MAX_NORM)], logger=recorder, log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )
-    trainer.fit(module)
-    params = {n: p.detach().full_tensor() for stage in module.model.values() for n, p in stage.named_parameters()}
-    return {"params": params, "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m]}
+    r = _fit_two_windows(module, strategy, devices=2)
+    return {"params": r["params"], "norms": r["norms"]}
 
 
 def test_stages_built_in_configure_model_match_single_device():
