@@ -346,8 +346,6 @@ def clip_grads_with_norm_(
     _scale_([g for g in grads if g.numel() > 0], _clip_coef(max_norm, total_norm), foreach)
 
 
-
-
 def _with_grads(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The parameters that have a gradient, and their gradients (``p.grad`` read once each)."""
     grads = [p.grad for p in params]

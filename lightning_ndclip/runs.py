@@ -19,6 +19,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -26,7 +27,6 @@ import torch
 @dataclass(frozen=True)
 class _Group:
     members: tuple[int, ...]
-    offsets: list[int]
     norm_runs: tuple[tuple[int, int], ...]
     scale_runs: tuple[tuple[int, int], ...]
 
@@ -132,7 +132,6 @@ class RunFinder:
             groups.append(
                 _Group(
                     members=tuple(members),
-                    offsets=[locals_[m].storage_offset() for m in members],
                     norm_runs=tuple(_spans([m for m in members if counted[m]], locals_)),
                     scale_runs=tuple(_spans(members, locals_)),
                 )
@@ -140,7 +139,7 @@ class RunFinder:
         self._groups = tuple(groups)
         self._members = [m for g in groups for m in g.members]
         self._group_of = [k for k, g in enumerate(groups) for _ in g.members]
-        self._offsets = [o for g in groups for o in g.offsets]
-        self._starts = [sum(len(g.members) for g in groups[:k]) for k in range(len(groups))]
+        self._offsets = [locals_[m].storage_offset() for m in self._members]
+        self._starts = [0, *accumulate(len(g.members) for g in groups)][: len(groups)]
         self._singles = tuple(sorted(singles))
         self._count = len(locals_)
