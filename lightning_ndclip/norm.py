@@ -187,7 +187,7 @@ def _global_norm(
     def powers(norms: list[torch.Tensor]) -> torch.Tensor:
         if not norms:
             return torch.zeros(0, dtype=torch.float64, device=device)
-        stacked = torch.stack([n.to(device) for n in norms]).to(torch.float64)
+        stacked = torch.stack([n if n.device == device else n.to(device) for n in norms]).to(torch.float64)
         return stacked if is_inf else stacked.pow(norm_type)
 
     per_slot = None
@@ -348,7 +348,8 @@ def clip_grads_with_norm_(
 
 def _with_grads(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The parameters that have a gradient, and their gradients (``p.grad`` read once each)."""
-    grads = [p.grad for p in params]
+    with torch._C.DisableTorchFunctionSubclass():  # skips DTensor's __torch_function__ on `.grad`
+        grads = [p.grad for p in params]
     if all([g is not None for g in grads]):  # not `None in grads`: that calls Tensor.__eq__
         return params, grads
     kept = [(p, g) for p, g in zip(params, grads) if g is not None]

@@ -5,13 +5,17 @@ reduce-scatter buffer. Norming or scaling a thousand small views costs a thousan
 norming the handful of contiguous stretches they tile costs a handful. This module finds those
 stretches exactly:
 
-* views of one contiguous base, laid end to end with no gap and no overlap, form a run;
+* contiguous views of one contiguous base, laid end to end with no gap and no overlap, form a run;
+  when they tile the whole base, the run is the base itself;
 * a run never crosses a gap (FSDP pads uneven shards) or a change of the counted flag (a
   tensor-parallel ``Replicate`` parameter inside a unit of ``Shard`` ones), so norming a run equals
   norming its members, and scaling a run touches no byte that is not a gradient;
 * anything else (plain tensors, overlapping or non-contiguous views) is its own run.
 
-The grouping is cached and re-validated each call with a few attribute reads per tensor.
+The grouping is cached. Each call re-validates it from addresses: every grouped tensor must still be
+contiguous and start exactly where the grouping expects it inside its group's base (same size and
+dtype as when grouped), which guarantees the runs cover exactly the same elements as the tensors.
+FSDP2 allocates fresh buffers every step; the check costs two attribute reads per tensor.
 """
 
 from __future__ import annotations
@@ -19,16 +23,20 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 
 
 @dataclass(frozen=True)
 class _Group:
-    members: tuple[int, ...]
-    norm_runs: tuple[tuple[int, int], ...]
+    head: int  # the member whose ``_base`` is the group's buffer
+    numel: int  # of the buffer
+    dtype: torch.dtype
+    norm_runs: tuple[tuple[int, int], ...]  # [start, end) element offsets inside the buffer
     scale_runs: tuple[tuple[int, int], ...]
+
+    def whole(self, runs: tuple[tuple[int, int], ...]) -> bool:
+        return runs == ((0, self.numel),)
 
 
 @dataclass(frozen=True)
@@ -39,70 +47,79 @@ class Runs:
     to_scale: list[torch.Tensor]
 
 
-def _spans(members: list[int], locals_: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-    """Maximal ``[start, end)`` storage spans covered by adjacent ``members`` (sorted by offset)."""
+def _spans(members: list[int], locals_: Sequence[torch.Tensor], origin: int) -> tuple[tuple[int, int], ...]:
+    """Maximal ``[start, end)`` spans (relative to ``origin``) covered by adjacent ``members``,
+    which are sorted by storage offset."""
     spans: list[tuple[int, int]] = []
     for m in members:
-        start = locals_[m].storage_offset()
+        start = locals_[m].storage_offset() - origin
         end = start + locals_[m].numel()
         if spans and spans[-1][1] == start:
             spans[-1] = (spans[-1][0], end)
         else:
             spans.append((start, end))
-    return spans
+    return tuple(spans)
+
+
+def _piece(base: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    return base.as_strided((end - start,), (1,), base.storage_offset() + start)
 
 
 class RunFinder:
     """Finds, caches and re-validates the contiguous runs of one list of local gradients."""
 
     def __init__(self) -> None:
+        self._count = -1
         self._groups: tuple[_Group, ...] = ()
         self._singles: tuple[int, ...] = ()
-        self._count = -1
-        # every grouped member, group after group; the index of its group; its storage offset
-        self._members: list[int] = []
-        self._group_of: list[int] = []
-        self._offsets: list[int] = []
-        self._starts: list[int] = []  # position of each group's first member in _members
+        self._pick_members = operator.itemgetter(0, 0)  # every grouped tensor, group after group
+        self._group_of: list[int] = []  # the group of each of them
+        self._byte_offsets: list[int] = []  # and its byte offset inside the group's buffer
+        self._base_ptrs: list[int] = []  # the buffers' addresses at the last successful check
+        self._ptrs: list[int] = []  # the members' addresses then
 
     def runs(self, locals_: Sequence[torch.Tensor], counted: Sequence[bool]) -> Runs:
         """Split ``locals_`` into runs; ``counted`` marks the tensors whose elements this rank adds
         to the norm (it must not change between calls of one finder)."""
-        if not self._still_valid(locals_):
+        bases = self._validated_bases(locals_)
+        if bases is None:
             self._rebuild(locals_, counted)
+            bases = [locals_[g.head]._base for g in self._groups]
         to_norm: list[torch.Tensor] = []
         to_scale: list[torch.Tensor] = []
-        for group in self._groups:
-            base = locals_[group.members[0]]._base
-            flat = base.view(-1)
-            origin = base.storage_offset()
-            scale = [flat[a - origin : b - origin] for a, b in group.scale_runs]
-            to_scale.extend(scale)
-            if group.norm_runs == group.scale_runs:  # every member counted: the same slices
-                to_norm.extend(scale)
+        for group, base in zip(self._groups, bases):
+            if group.whole(group.scale_runs):
+                to_scale.append(base)
             else:
-                to_norm.extend(flat[a - origin : b - origin] for a, b in group.norm_runs)
+                to_scale.extend([_piece(base, a, b) for a, b in group.scale_runs])
+            if group.norm_runs == group.scale_runs:
+                to_norm.extend(to_scale[len(to_scale) - len(group.scale_runs) :])
+            else:
+                to_norm.extend([_piece(base, a, b) for a, b in group.norm_runs])
         for i in self._singles:
             to_scale.append(locals_[i])
             if counted[i]:
                 to_norm.append(locals_[i])
         return Runs(to_norm, to_scale)
 
-    def _still_valid(self, locals_: Sequence[torch.Tensor]) -> bool:
-        """Same count, and every grouped view still a contiguous view of its group's base at the
-        same offset (one pass over the members, no per-group Python loop)."""
+    def _validated_bases(self, locals_: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The groups' buffers if the cached grouping still holds for ``locals_``, else ``None``."""
         if len(locals_) != self._count:
-            return False
-        members = [locals_[m] for m in self._members]
-        bases = [t._base for t in members]
-        heads = [bases[k] for k in self._starts]
-        if not all([b is not None and b.is_contiguous() for b in heads]):
-            return False
-        return (
-            all(map(operator.is_, bases, [heads[g] for g in self._group_of]))
-            and [t.storage_offset() for t in members] == self._offsets
-            and all([t.is_contiguous() for t in members])
-        )
+            return None
+        if not self._groups:
+            return []
+        bases = [locals_[g.head]._base for g in self._groups]
+        for g, b in zip(self._groups, bases):
+            if b is None or b.numel() != g.numel or b.dtype != g.dtype or not b.is_contiguous():
+                return None
+        base_ptrs = [b.data_ptr() for b in bases]
+        ptrs = [t.data_ptr() if t.is_contiguous() else -1 for t in self._pick_members(locals_)]
+        if base_ptrs != self._base_ptrs or ptrs != self._ptrs:
+            expected = [base_ptrs[g] + off for g, off in zip(self._group_of, self._byte_offsets)]
+            if ptrs != expected:
+                return None
+            self._base_ptrs, self._ptrs = base_ptrs, ptrs
+        return bases
 
     def _rebuild(self, locals_: Sequence[torch.Tensor], counted: Sequence[bool]) -> None:
         by_base: dict[int, list[int]] = {}
@@ -121,7 +138,9 @@ class RunFinder:
                 by_base.setdefault(id(base), []).append(i)
             else:
                 singles.append(i)
-        groups = []
+        groups: list[_Group] = []
+        members_all: list[int] = []
+        self._group_of, self._byte_offsets = [], []
         for members in by_base.values():
             members.sort(key=lambda m: locals_[m].storage_offset())
             ends = [locals_[m].storage_offset() + locals_[m].numel() for m in members]
@@ -129,17 +148,23 @@ class RunFinder:
             if len(members) == 1 or overlapping:
                 singles.extend(members)
                 continue
+            base = locals_[members[0]]._base
+            origin = base.storage_offset()
+            self._group_of.extend([len(groups)] * len(members))
+            self._byte_offsets.extend([(locals_[m].storage_offset() - origin) * base.element_size() for m in members])
+            members_all.extend(members)
             groups.append(
                 _Group(
-                    members=tuple(members),
-                    norm_runs=tuple(_spans([m for m in members if counted[m]], locals_)),
-                    scale_runs=tuple(_spans(members, locals_)),
+                    head=members[0],
+                    numel=base.numel(),
+                    dtype=base.dtype,
+                    norm_runs=_spans([m for m in members if counted[m]], locals_, origin),
+                    scale_runs=_spans(members, locals_, origin),
                 )
             )
         self._groups = tuple(groups)
-        self._members = [m for g in groups for m in g.members]
-        self._group_of = [k for k, g in enumerate(groups) for _ in g.members]
-        self._offsets = [locals_[m].storage_offset() for m in self._members]
-        self._starts = [0, *accumulate(len(g.members) for g in groups)][: len(groups)]
         self._singles = tuple(sorted(singles))
         self._count = len(locals_)
+        # every group has two members or more, so the getter always returns a tuple
+        self._pick_members = operator.itemgetter(*members_all) if members_all else operator.itemgetter(0, 0)
+        self._base_ptrs, self._ptrs = [], []

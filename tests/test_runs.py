@@ -1,0 +1,95 @@
+"""RunFinder: coalescing is exact, never touches a gap, and a stale grouping is never used."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lightning_ndclip.runs import RunFinder
+
+
+def _elements(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Every element of ``tensors``, sorted: equal iff the tensors cover the same values."""
+    return torch.cat([t.reshape(-1) for t in tensors]).sort().values
+
+
+def _fsdp_like(sizes: list[int], gaps: list[int], fill: float = math.nan) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Views of one flat buffer, ``gaps[k]`` padding elements (holding ``fill``) after view k."""
+    buffer = torch.full((sum(sizes) + sum(gaps),), fill, dtype=torch.float64)
+    views, at = [], 0
+    for n, gap in zip(sizes, gaps):
+        buffer[at : at + n] = torch.randn(n, dtype=torch.float64)
+        views.append(buffer[at : at + n].view(n // 2, 2) if n % 2 == 0 else buffer[at : at + n])
+        at += n + gap
+    return buffer, views
+
+
+def _check(finder: RunFinder, views: list[torch.Tensor], counted: list[bool]) -> tuple[list, list]:
+    runs = finder.runs(views, counted)
+    assert torch.equal(_elements(runs.to_norm), _elements([v for v, c in zip(views, counted) if c]))
+    assert torch.equal(_elements(runs.to_scale), _elements(views))
+    return runs.to_norm, runs.to_scale
+
+
+def test_views_tiling_a_buffer_are_one_run_the_buffer_itself():
+    buffer, views = _fsdp_like([6, 4, 10], [0, 0, 0])
+    to_norm, to_scale = _check(RunFinder(), views, [True] * 3)
+    assert len(to_norm) == len(to_scale) == 1 and to_scale[0] is buffer
+
+
+def test_runs_stop_at_gaps_and_scaling_leaves_padding_untouched():
+    buffer, views = _fsdp_like([6, 4, 10, 8], [0, 3, 0, 2])  # NaN padding after views 1 and 3
+    _, to_scale = _check(RunFinder(), views, [True] * 4)
+    assert len(to_scale) == 2  # [v0 v1] gap [v2 v3] gap
+    torch._foreach_mul_(to_scale, 0.5)
+    assert torch.isnan(buffer).sum() == 5  # the padding still holds its NaNs
+
+
+def test_uncounted_views_split_the_norm_runs_but_not_the_scale_runs():
+    _, views = _fsdp_like([6, 4, 10, 8], [0, 0, 0, 0])
+    to_norm, to_scale = _check(RunFinder(), views, [True, False, True, True])
+    assert (len(to_norm), len(to_scale)) == (2, 1)
+
+
+def test_a_fresh_buffer_with_the_same_layout_reuses_the_grouping_on_the_new_data():
+    finder = RunFinder()
+    _check(finder, _fsdp_like([6, 4, 10], [0, 2, 0])[1], [True] * 3)
+    groups = finder._groups
+    _, views = _fsdp_like([6, 4, 10], [0, 2, 0])  # as FSDP2 does every step
+    _check(finder, views, [True] * 3)
+    assert finder._groups is groups
+
+
+def test_a_replaced_member_invalidates_the_grouping():
+    finder = RunFinder()
+    _, views = _fsdp_like([6, 4, 10], [0, 0, 0])
+    _check(finder, views, [True] * 3)
+    views[1] = torch.randn(2, 2, dtype=torch.float64)  # e.g. a user assigning p.grad
+    to_norm, _ = _check(finder, views, [True] * 3)  # a stale grouping would norm the old buffer
+    assert len(to_norm) == 3
+
+
+def test_a_non_contiguous_member_at_the_same_address_invalidates_the_grouping():
+    finder = RunFinder()
+    buffer, views = _fsdp_like([8, 8], [0, 0])
+    _check(finder, views, [True] * 2)
+    views[0] = buffer[:16].view(4, 4)[:, :2]  # same first address, half the elements, strided
+    _check(finder, views, [True] * 2)
+
+
+def test_a_member_moved_inside_its_buffer_invalidates_the_grouping():
+    finder = RunFinder()
+    buffer, views = _fsdp_like([4, 4], [0, 4])
+    _check(finder, views, [True] * 2)
+    buffer[8:12] = torch.randn(4, dtype=torch.float64)
+    views[1] = buffer[8:12].view(2, 2)  # into what was padding
+    to_norm, _ = _check(finder, views, [True] * 2)
+    assert len(to_norm) == 2
+
+
+def test_overlapping_views_and_plain_tensors_are_their_own_runs():
+    base = torch.randn(10, dtype=torch.float64)
+    tensors = [base[0:6], base[4:10], torch.randn(3, dtype=torch.float64), torch.empty(0, dtype=torch.float64)]
+    to_norm, to_scale = _check(RunFinder(), tensors, [True] * 4)
+    assert len(to_norm) == len(to_scale) == 3  # the empty tensor is skipped
