@@ -126,7 +126,7 @@ def context_parallel_attention(
     if is_causal:
         mask = kv_positions[None, :] <= positions[:, None]  # [q, kv]
         mask = mask[None, None]
-    if sample_ids is not None:
+    if sample_ids is not None and kv_ids is not None:
         same = (sample_ids[:, :, None] == kv_ids[:, None, :])[:, None]  # [batch, 1, q, kv]
         mask = same if mask is None else mask & same
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -78,7 +78,7 @@ def describe(
     is keyed on must stay alive while it is in use.
     """
     if not isinstance(tensor, DTensor):
-        signature = ("plain", tuple(tensor.shape), str(tensor.dtype))
+        signature: tuple = ("plain", tuple(tensor.shape), str(tensor.dtype))
         return TensorLayout(name, signature, (rank,), True, True)
 
     spec = tensor._spec

@@ -31,6 +31,9 @@ class GlobalMeanLoss(Metric):
         self.add_state("value", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("weight", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
 
+    value: torch.Tensor
+    weight: torch.Tensor
+
     def update(self, value: torch.Tensor, weight: torch.Tensor | float) -> None:
         """Add a local weighted sum ``value`` and its total ``weight``."""
         self.value += torch.as_tensor(value, dtype=torch.float64, device=self.value.device).detach().sum()

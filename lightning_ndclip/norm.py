@@ -23,6 +23,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -342,16 +343,20 @@ def clip_grads_with_norm_(
     local shards of DTensor gradients. ``total_norm`` must be the global norm, e.g. from
     :func:`get_total_norm`. The coefficient stays on the device.
     """
-    grads = _locals([p.grad for p in _as_tensor_list(parameters) if p.grad is not None])
+    grads = _locals([g for g in _read_grads(_as_tensor_list(parameters)) if g is not None])
     _scale_([g for g in grads if g.numel() > 0], _clip_coef(max_norm, total_norm), foreach)
+
+
+def _read_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    with torch._C.DisableTorchFunctionSubclass():  # skips DTensor's __torch_function__ on `.grad`
+        return [p.grad for p in params]
 
 
 def _with_grads(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The parameters that have a gradient, and their gradients (``p.grad`` read once each)."""
-    with torch._C.DisableTorchFunctionSubclass():  # skips DTensor's __torch_function__ on `.grad`
-        grads = [p.grad for p in params]
+    grads = _read_grads(params)
     if all([g is not None for g in grads]):  # not `None in grads`: that calls Tensor.__eq__
-        return params, grads
+        return params, cast("list[torch.Tensor]", grads)
     kept = [(p, g) for p, g in zip(params, grads) if g is not None]
     return [p for p, _ in kept], [g for _, g in kept]
 
@@ -427,11 +432,13 @@ def grad_norms(
     """
     if isinstance(named_parameters, torch.nn.Module):
         named_parameters = named_parameters.named_parameters()
-    named = [(n, p) for n, p in named_parameters if p.grad is not None]
-    params = [p for _, p in named]
+    pairs = list(named_parameters)
+    grads = _read_grads([p for _, p in pairs])
+    kept = [(n, p, g) for (n, p), g in zip(pairs, grads) if g is not None]
+    params = [p for _, p, _ in kept]
     total, per_slot, plan, _ = _global_norm(
-        [p.grad for p in params],
-        [n for n, _ in named],
+        [g for _, _, g in kept],
+        [n for n, _, _ in kept],
         _tie_keys(params, tied_parameters, "parameters"),
         norm_type,
         per_tensor=per_tensor,

@@ -7,6 +7,7 @@ applies when it is given a plan instead of a ``configure_model`` hook. Usable wi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -71,7 +72,7 @@ def parallelize(
         classes = tuple(activation_checkpointing)
         if _replace_children(module, classes) == 0:
             raise ValueError(f"activation_checkpointing={[c.__name__ for c in classes]} matches no submodule")
-    fsdp_kwargs = {"mesh": meshes["fsdp"]}
+    fsdp_kwargs: dict[str, Any] = {"mesh": meshes["fsdp"]}
     if mp_policy is not None:
         fsdp_kwargs["mp_policy"] = mp_policy
     units = tuple(fsdp_units)

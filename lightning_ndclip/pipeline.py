@@ -58,7 +58,7 @@ SCHEDULES: dict[str, type] = {
 
 def model_units(model: nn.Module) -> list[str]:
     """The ordered units stages are cut from (see the module docstring)."""
-    units = []
+    units: list[str] = []
     for name, child in model.named_children():
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
             units.extend(f"{name}.{key}" for key, _ in child.named_children())

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -179,7 +180,7 @@ def build_plan(
     cache: dict[int, tuple[int, ...]] = {}
     layouts = tuple(describe(t, n, rank, cache) for t, n in zip(tensors, names))
     signatures = [(lay.signature, key) for lay, key in zip(layouts, tie_keys)]
-    view = {
+    view: dict[str, Any] = {
         "rank": rank,
         "stage": stage,
         "names": list(names),
@@ -191,7 +192,7 @@ def build_plan(
     if world_size == 1:
         views = [view]
     else:
-        views = [None] * world_size
+        views = [{}] * world_size
         dist.all_gather_object(views, view, group=group)
     problems = _check_agreement(views)
     if problems:
@@ -202,7 +203,7 @@ def build_plan(
     stages = sorted({v["stage"] for v in views})
     leaders = {s: min((v for v in views if v["stage"] == s), key=lambda v: v["rank"]) for s in stages}
     stage_min_rank = leaders[stage]["rank"]
-    first_stage_of_key: dict[str, int] = {}
+    first_stage_of_key: dict[str, tuple[int, int]] = {}
     slot_of: dict[tuple[int, int], int] = {}
     slot_names: list[str] = []
     for s in stages:

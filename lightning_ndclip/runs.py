@@ -23,6 +23,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -52,13 +53,17 @@ def _spans(members: list[int], locals_: Sequence[torch.Tensor], origin: int) -> 
     which are sorted by storage offset."""
     spans: list[tuple[int, int]] = []
     for m in members:
-        start = locals_[m].storage_offset() - origin
-        end = start + locals_[m].numel()
+        start = int(locals_[m].storage_offset()) - origin
+        end = start + int(locals_[m].numel())
         if spans and spans[-1][1] == start:
             spans[-1] = (spans[-1][0], end)
         else:
             spans.append((start, end))
     return tuple(spans)
+
+
+def _buffer(view: torch.Tensor) -> torch.Tensor:
+    return cast(torch.Tensor, view._base)
 
 
 def _piece(base: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -84,7 +89,7 @@ class RunFinder:
         bases = self._validated_bases(locals_)
         if bases is None:
             self._rebuild(locals_, counted)
-            bases = [locals_[g.head]._base for g in self._groups]
+            bases = [_buffer(locals_[g.head]) for g in self._groups]
         to_norm: list[torch.Tensor] = []
         to_scale: list[torch.Tensor] = []
         for group, base in zip(self._groups, bases):
@@ -108,10 +113,11 @@ class RunFinder:
             return None
         if not self._groups:
             return []
-        bases = [locals_[g.head]._base for g in self._groups]
-        for g, b in zip(self._groups, bases):
+        maybe_bases = [locals_[g.head]._base for g in self._groups]
+        for g, b in zip(self._groups, maybe_bases):
             if b is None or b.numel() != g.numel or b.dtype != g.dtype or not b.is_contiguous():
                 return None
+        bases = cast("list[torch.Tensor]", maybe_bases)
         base_ptrs = [b.data_ptr() for b in bases]
         ptrs = [t.data_ptr() if t.is_contiguous() else -1 for t in self._pick_members(locals_)]
         if base_ptrs != self._base_ptrs or ptrs != self._ptrs:
@@ -148,15 +154,15 @@ class RunFinder:
             if len(members) == 1 or overlapping:
                 singles.extend(members)
                 continue
-            base = locals_[members[0]]._base
-            origin = base.storage_offset()
+            base = _buffer(locals_[members[0]])
+            origin = int(base.storage_offset())
             self._group_of.extend([len(groups)] * len(members))
-            self._byte_offsets.extend([(locals_[m].storage_offset() - origin) * base.element_size() for m in members])
+            self._byte_offsets.extend([(int(locals_[m].storage_offset()) - origin) * base.element_size() for m in members])
             members_all.extend(members)
             groups.append(
                 _Group(
                     head=members[0],
-                    numel=base.numel(),
+                    numel=int(base.numel()),
                     dtype=base.dtype,
                     norm_runs=_spans([m for m in members if counted[m]], locals_, origin),
                     scale_runs=_spans(members, locals_, origin),

@@ -51,7 +51,8 @@ class LossWindows:
         return self._windows.pop(batch_idx)
 
     def _scales(self, window: list[Any]) -> list[torch.Tensor]:
-        module, meshes, device = self._strategy.lightning_module, self._strategy.meshes, self._strategy.root_device
+        module: Any = self._strategy.lightning_module  # a LightningModule with the hooks of its normalization
+        meshes, device = self._strategy.meshes, self._strategy.root_device
         if self._strategy._loss_normalization == "token_mean":
             counts = [torch.as_tensor(module.count_tokens(b)).to(device) for b in window]
             return [sync_token_count(counts, group=meshes["dp_cp"].get_group()).total] * len(window)
