@@ -9,7 +9,6 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
@@ -17,6 +16,7 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -25,13 +25,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_ndclip.lightning_pipeline import PipelineConfig, PipelineRunner
 from lightning_ndclip.mesh import ParallelDims, ParallelMeshes
 from lightning_ndclip.parallelize import parallelize
-from lightning_ndclip.pipeline import build_pipeline, model_units, schedule_stages, stage_units_of, tie_gradients
 from lightning_ndclip.reduce import use_sum_reduction
 from lightning_ndclip.windows import LossWindows
 
@@ -143,7 +142,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        sizes = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep)
+        sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
         # every check that needs no world size (dp_shard=-1 resolves to ep here, which ep divides)
         known = dp_replicate * cp * tp * pp * (ep if dp_shard == -1 else dp_shard)
         ParallelDims(world_size=known, **sizes)
@@ -161,10 +160,12 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._sum_reduction = sum_reduction or loss_normalization is not None
         if tp_plan and tp == 1:
             raise ValueError("NDParallelStrategy(tp_plan=...) needs tp > 1")
-        self._plan = dict(
-            tp_plan=tp_plan, fsdp_units=tuple(fsdp_units), activation_checkpointing=tuple(activation_checkpointing),
-            mp_policy=mp_policy,
-        )
+        self._plan: dict[str, Any] = {
+            "tp_plan": tp_plan,
+            "fsdp_units": tuple(fsdp_units),
+            "activation_checkpointing": tuple(activation_checkpointing),
+            "mp_policy": mp_policy,
+        }
         stages = pp * pp_stages_per_rank
         if pp > 1 and pp_split_points and len(pp_split_points) != stages - 1:
             raise ValueError(
@@ -173,16 +174,16 @@ class NDParallelStrategy(ModelParallelStrategy):
             )
         if pp > 1 and loss_normalization == "sample_mean":
             raise ValueError("loss_normalization='sample_mean' is not supported with pp > 1 yet")
-        self._pp = dict(
-            split_points=tuple(pp_split_points), schedule=pp_schedule, stages_per_rank=pp_stages_per_rank,
-            n_microbatches=pp_microbatches or stages, module=pp_module,
+        self._pp = PipelineConfig(
+            split_points=tuple(pp_split_points),
+            schedule=pp_schedule,
+            stages_per_rank=pp_stages_per_rank,
+            n_microbatches=pp_microbatches or stages,
+            module=pp_module,
             tied=tuple(tuple(group) for group in pp_tied_parameters),
         )
-        self._ties: list[tuple[list[torch.Tensor], Any]] = []
-        self._user_stages = False
+        self._pipeline: PipelineRunner | None = None
         self._window_scale: torch.Tensor | None = None
-        self._pipeline: Any = None
-        self._pp_scale = 1.0
         self._windows: LossWindows | None = None
         self._dims: ParallelDims | None = None
         self._meshes: ParallelMeshes | None = None
@@ -191,6 +192,19 @@ class NDParallelStrategy(ModelParallelStrategy):
     def is_distributed(self) -> bool:
         """Always ``True``: Lightning then injects samplers and honours ``sync_dist``."""
         return True
+
+    @property
+    def _module(self) -> pl.LightningModule:
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError("NDParallelStrategy has no LightningModule attached yet")
+        return module
+
+    @property
+    def _wrapped_model(self) -> nn.Module:
+        if self.model is None:
+            raise RuntimeError("NDParallelStrategy has no model set up yet")
+        return self.model
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -212,12 +226,12 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._setup_distributed()
         self._meshes = self._dims.build_mesh(self.root_device.type)
         self._device_mesh = self._meshes.world
-        assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        self._module._device_mesh = self._device_mesh
         if self._dims.pp > 1:
-            self._install_pipeline(self.lightning_module)
+            self._pipeline = PipelineRunner(self._pp, self._meshes, self.root_device)
+            self._pipeline.install(self._module, self._plan)
         elif any(self._plan.values()):
-            self._install_declarative_plan(self.lightning_module)
+            self._install_declarative_plan(self._module)
 
     @property
     def window_tokens(self) -> torch.Tensor:
@@ -233,96 +247,10 @@ class NDParallelStrategy(ModelParallelStrategy):
         """The ``pp`` mesh dim when ``pp > 1`` (``GlobalNormClip`` sums the norm over it), else ``None``."""
         return self.meshes["pp"] if self._dims is not None and self._dims.pp > 1 else None
 
-    def _install_pipeline(self, module: pl.LightningModule) -> None:
-        """Give the LightningModule a ``configure_model`` that cuts ``pp_module`` into this rank's
-        stages, parallelizes each and builds the schedule."""
-        name, pp, plan, meshes = self._pp["module"], self._pp, self._plan, self.meshes
-        self._install_pipeline_zero_grad(module)
-        if is_overridden("configure_model", module):  # the user builds this rank's stages
-            if pp["split_points"] or pp["tied"] or any(plan.values()):
-                raise ValueError(
-                    f"{type(module).__name__} overrides configure_model() (building its own stages) and "
-                    "NDParallelStrategy got pp_split_points / pp_tied_parameters / a declarative plan: use one way"
-                )
-            self._user_stages = True
-            return
-        if not isinstance(getattr(module, name, None), nn.Module):
-            raise ValueError(f"pp_module={name!r}: the LightningModule has no submodule of that name")
-        units = model_units(getattr(module, name))
-
-        def parallelize_stage(stage: nn.Module) -> None:
-            if callable(getattr(module, "parallelize_stage", None)) and not any(plan.values()):
-                module.parallelize_stage(stage)
-            else:  # the plan, or at least one FSDP2 unit per stage (DTensor parameters: checkpoints)
-                parallelize(stage, meshes, **plan)
-
-        def configure_model() -> None:
-            self._pipeline, stages = build_pipeline(
-                getattr(module, name), meshes["pp"], pp["split_points"], n_microbatches=pp["n_microbatches"],
-                loss_fn=self._pipeline_loss, schedule=pp["schedule"], stages_per_rank=pp["stages_per_rank"],
-                parallelize_fn=parallelize_stage, device=self.root_device,
-            )
-            setattr(module, name, nn.ModuleList(stages))
-            self._ties = [self._tie_group(names, stages, units) for names in pp["tied"]]
-
-        module.configure_model = configure_model
-
-    def _install_pipeline_zero_grad(self, module: pl.LightningModule) -> None:
-        if is_overridden("optimizer_zero_grad", module):
-            raise ValueError(
-                f"with pp > 1, NDParallelStrategy zeroes gradients itself (Lightning would zero them "
-                f"after training_step, where the schedule has already run backward): "
-                f"{type(module).__name__} must not override optimizer_zero_grad()"
-            )
-
-        def optimizer_zero_grad(*args: Any, **kwargs: Any) -> None:
-            pass  # done in training_step, before the schedule
-
-        module.optimizer_zero_grad = optimizer_zero_grad
-
-    def _schedule_user_stages(self) -> None:
-        """After the user's configure_model: ``pp_module`` is ``{global stage index: stage}`` (an
-        ``nn.ModuleDict``) of this rank's parallelized stages; build the schedule over them."""
-        name, pp = self._pp["module"], self._pp
-        stages = getattr(self.lightning_module, name, None)
-        if not isinstance(stages, nn.ModuleDict):
-            raise ValueError(
-                f"with pp > 1 and a configure_model(), set self.{name} = nn.ModuleDict({{str(stage_index): "
-                f"stage_module}}) of this rank's stages; got {type(stages).__name__}"
-            )
-        self._pipeline = schedule_stages(
-            {int(i): m for i, m in stages.items()}, self._dims.pp * pp["stages_per_rank"], self.meshes["pp"],
-            n_microbatches=pp["n_microbatches"], loss_fn=self._pipeline_loss, schedule=pp["schedule"],
-            device=self.root_device,
-        )
-
-    def _tie_group(
-        self, names: Sequence[str], stages: list[nn.Module], units: list[str]
-    ) -> tuple[list[torch.Tensor], Any]:
-        """This rank's copies of one tied parameter and the process group of the ranks (in this rank's
-        pp column) whose stages hold a copy. Collective: every rank creates every column's group."""
-        pp, per_rank = self._dims.pp, self._pp["stages_per_rank"]
-        per_stage = stage_units_of(units, self._pp["split_points"], pp * per_rank)
-        owners = sorted({i % pp for i, keep in enumerate(per_stage) if any(n.rsplit(".", 1)[0] in keep for n in names)})
-        if len(owners) < 2:
-            raise ValueError(f"pp_tied_parameters {list(names)}: held by fewer than two pipeline ranks")
-        columns = self.meshes.world.mesh.reshape(pp, -1)
-        mine = int((columns == self.global_rank).nonzero()[0, 1])
-        group = None
-        for c in range(columns.shape[1]):
-            g = dist.new_group([int(columns[o, c]) for o in owners])
-            group = g if c == mine else group
-        holders = [p for stage in stages for n, p in stage.named_parameters() if n in names]
-        return holders, group
-
     @property
     def tied_parameters(self) -> dict[str, torch.Tensor] | None:
         """``{key: this rank's copy}`` of the parameters tied across pipeline stages (for the norm)."""
-        ties = {names[0]: holders[0] for names, (holders, _) in zip(self._pp["tied"], self._ties) if holders}
-        return ties or None
-
-    def _pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.lightning_module.pipeline_loss(output, target) * self._pp_scale
+        return None if self._pipeline is None else self._pipeline.tied_parameters
 
     def run_pipeline(self, inputs: Any = None, target: Any = None) -> torch.Tensor:
         """Run the pipeline schedule on one batch and return the batch's loss, detached, on every rank
@@ -334,26 +262,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         plain sum of ``pipeline_loss`` over the micro-batches."""
         if self._pipeline is None:
             raise RuntimeError("run_pipeline needs NDParallelStrategy(pp > 1)")
-        pp_mesh = self.meshes["pp"]
-        rank, size = pp_mesh.get_local_rank(), pp_mesh.size()
-        training = self.lightning_module.trainer.training
-        run = self._pipeline.step if training else self._pipeline.eval
-        if not training:
-            self._pp_scale = 1.0  # evaluation: the plain sum of pipeline_loss over micro-batches
-        losses: list[torch.Tensor] = []
-        if rank == 0:
-            run(inputs, target=target if rank == size - 1 else None, losses=losses)
-        elif rank == size - 1:
-            run(target=target, losses=losses)
-        else:
-            run()
-        # float64 on every rank: the broadcast must agree in size whatever the loss dtype
-        loss = torch.zeros((), dtype=torch.float64, device=self.root_device)
-        if losses:
-            loss = torch.stack(losses).sum().detach().to(torch.float64)
-        last = int(pp_mesh.mesh.flatten()[size - 1])
-        dist.broadcast(loss, src=last, group=pp_mesh.get_group())
-        return loss
+        return self._pipeline.run(inputs, target, training=self._module.trainer.training)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """With ``pp > 1`` the schedule has already run backward: nothing to do."""
@@ -379,7 +288,7 @@ class NDParallelStrategy(ModelParallelStrategy):
                 roots.append(module)
             parallelize(module, meshes, **plan, root_units=roots)
 
-        module.configure_model = configure_model
+        module.configure_model = configure_model  # type: ignore[method-assign]
 
     def setup(self, trainer: pl.Trainer) -> None:
         hook = {"token_mean": "count_tokens(batch) -> Tensor, the number of valid tokens in a raw batch",
@@ -390,12 +299,11 @@ class NDParallelStrategy(ModelParallelStrategy):
                 f"NDParallelStrategy(loss_normalization={self._loss_normalization!r}) needs the "
                 f"LightningModule to define {needed}"
             )
-        if self._user_stages:
-            self._schedule_user_stages()
+        if self._pipeline is not None:
+            self._pipeline.schedule_user_stages()
         super().setup(trainer)
         if self._sum_reduction:
-            assert self.model is not None
-            if use_sum_reduction(self.model) == 0 and self.meshes["dp_cp"].size() > 1:
+            if use_sum_reduction(self._wrapped_model) == 0 and self.meshes["dp_cp"].size() > 1:
                 raise ValueError(
                     "NDParallelStrategy(sum_reduction=True) found no fully_shard unit in the model after "
                     "configure_model(), so gradients would not be reduced over the data ranks; apply "
@@ -412,41 +320,47 @@ class NDParallelStrategy(ModelParallelStrategy):
         return dataloader
 
     def _set_gradient_sync(self, enabled: bool) -> None:
-        assert self.model is not None
-        for unit in self.model.modules():
+        for unit in self._wrapped_model.modules():
             if isinstance(unit, FSDPModule):
                 unit.set_requires_gradient_sync(enabled, recurse=False)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Runs ``training_step`` with FSDP2 reducing only on the last micro-batch of an accumulation
         window and, with ``loss_normalization``, scales its loss sum to a share of the global mean."""
-        trainer = self.lightning_module.trainer
+        module = self._module
+        trainer = module.trainer
         k = trainer.accumulate_grad_batches
         batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
-        automatic = self.lightning_module.automatic_optimization
-        if self._pipeline is not None and automatic and batch_idx % k == 0:  # zero before the schedule
-            for optimizer in self.optimizers:
-                optimizer.zero_grad(set_to_none=True)
+        automatic = module.automatic_optimization
+        pipeline = self._pipeline
+        if pipeline is not None and automatic and batch_idx % k == 0:  # zero before the schedule
+            pipeline.zero_grad(self.optimizers)
+        scale: torch.Tensor | None = None
         if self._windows is None:
             last = not (automatic and trainer.fit_loop._should_accumulate())
             self._set_gradient_sync(last)
-            if self._pipeline is None:
+            if pipeline is None:
                 return super().training_step(*args, **kwargs)
-            self._pp_scale = 1.0 / (self._pp["n_microbatches"] * k)  # micro-batch means -> window mean
+            pipeline.loss_scale = 1.0 / (self._pp.n_microbatches * k)  # micro-batch means -> window mean
         else:
             scale, last = self._windows.window_of(batch_idx)
             self._window_scale = scale
             self._set_gradient_sync(last)
-            if self._pipeline is not None:  # token_mean: micro-batch loss sums / N, no Lightning division
-                self._pp_scale = 1.0 / scale.to(torch.float64).clamp(min=1)
-        if self._pipeline is not None:
+            if pipeline is not None:  # token_mean: micro-batch loss sums / N, no Lightning division
+                pipeline.loss_scale = 1.0 / scale.to(torch.float64).clamp(min=1)
+        if pipeline is not None:
             output = super().training_step(*args, **kwargs)
-            if last:  # the window's gradients are complete: sum tied copies over their stages
-                for holders, group in self._ties:
-                    tie_gradients(holders, group)
+            if last:
+                pipeline.window_complete()
             return output
+        assert scale is not None
         output = super().training_step(*args, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"with loss_normalization={self._loss_normalization!r}, training_step must return its loss (a "
+                f"tensor, or a dict with a 'loss' tensor), got {type(loss).__name__}"
+            )
         if self._loss_normalization == "token_mean":
             # in the loss dtype: an int count divided in float32 would cost float64 losses 7 digits
             scaled = loss * (k / scale.to(loss.dtype).clamp(min=1))
@@ -470,7 +384,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         if self._dims is None or self._dims.pp == 1:
             return super().optimizer_state(optimizer)
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
-        return get_optimizer_state_dict(self.model, optimizer, options=self._optimizer_options())
+        return get_optimizer_state_dict(self._wrapped_model, optimizer, options=self._optimizer_options())
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """As Lightning's ModelParallelStrategy; with ``pp > 1``, optimizer states use flattened
@@ -480,14 +394,14 @@ class NDParallelStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(checkpoint_path))
         if not path.is_dir():
             raise ValueError(f"with pp > 1, resume from a distributed (sharded) checkpoint directory, got {path}")
-        options = self._optimizer_options()
-        state = {"state_dict": get_model_state_dict(self.model)}
+        options, model = self._optimizer_options(), self._wrapped_model
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
         for i, optimizer in enumerate(self.optimizers):
-            state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer, options=options)
+            state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer, options=options)
         dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(self.model, state["state_dict"], options=StateDictOptions(strict=self.lightning_module.strict_loading))
+        set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=self._module.strict_loading))
         for i, optimizer in enumerate(self.optimizers):
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[f"optimizer_{i}"], options=options)
+            set_optimizer_state_dict(model, optimizer, optim_state_dict=state[f"optimizer_{i}"], options=options)
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     @property

@@ -1,0 +1,187 @@
+"""Pipeline parallelism inside :class:`~lightning_ndclip.NDParallelStrategy`: the Lightning side of
+:mod:`lightning_ndclip.pipeline`.
+
+With ``pp > 1`` the strategy owns one :class:`PipelineRunner`. It gives the LightningModule a
+``configure_model`` that cuts the model into this rank's stages (or schedules the stages the user's
+own ``configure_model`` built), runs the schedule when ``training_step`` calls
+``strategy.run_pipeline``, scales each micro-batch's loss as the accumulation window needs, zeroes
+gradients before the schedule (Lightning would zero them after ``training_step``, where the schedule
+has already run backward), and sums the gradients of parameters tied across stages once a window is
+complete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+
+from lightning_ndclip.mesh import ParallelMeshes
+from lightning_ndclip.parallelize import parallelize
+from lightning_ndclip.pipeline import build_pipeline, model_units, schedule_stages, stage_units_of, tie_gradients
+
+__all__ = ["PipelineConfig", "PipelineRunner"]
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The pipeline arguments of :class:`~lightning_ndclip.NDParallelStrategy` (``pp_*``)."""
+
+    split_points: tuple[str, ...]
+    schedule: str
+    stages_per_rank: int
+    n_microbatches: int
+    module: str
+    tied: tuple[tuple[str, ...], ...]
+
+
+class PipelineRunner:
+    """Builds, schedules and runs this rank's pipeline stages for the strategy."""
+
+    def __init__(self, config: PipelineConfig, meshes: ParallelMeshes, device: torch.device) -> None:
+        self.config = config
+        self.meshes = meshes
+        self.device = device
+        self.pp = meshes["pp"].size()
+        self.schedule: Any = None  # a torch.distributed.pipelining schedule, once configure_model ran
+        # multiplies pipeline_loss: micro-batch values -> their share of the window's loss
+        self.loss_scale: float | torch.Tensor = 1.0
+        self._module: Any = None  # the LightningModule (it defines pipeline_loss)
+        self._ties: list[tuple[list[torch.Tensor], dist.ProcessGroup | None]] = []
+        self._user_stages = False
+
+    def install(self, module: pl.LightningModule, plan: Mapping[str, Any]) -> None:
+        """Give ``module`` a ``configure_model`` that cuts its ``config.module`` into this rank's
+        stages, parallelizes each (``plan``: the strategy's declarative plan) and builds the schedule;
+        or, if ``module`` overrides ``configure_model`` (building its own stages), schedule those in
+        :meth:`schedule_user_stages`."""
+        self._module = module
+        self._take_over_zero_grad(module)
+        config, meshes = self.config, self.meshes
+        if is_overridden("configure_model", module):
+            if config.split_points or config.tied or any(plan.values()):
+                raise ValueError(
+                    f"{type(module).__name__} overrides configure_model() (building its own stages) and "
+                    "NDParallelStrategy got pp_split_points / pp_tied_parameters / a declarative plan: use one way"
+                )
+            self._user_stages = True
+            return
+        model = getattr(module, config.module, None)
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"pp_module={config.module!r}: the LightningModule has no submodule of that name")
+        units = model_units(model)
+        hook = getattr(module, "parallelize_stage", None)
+
+        def parallelize_stage(stage: nn.Module) -> None:
+            if callable(hook) and not any(plan.values()):
+                hook(stage)
+            else:  # the plan, or at least one FSDP2 unit per stage (DTensor parameters: checkpoints)
+                parallelize(stage, meshes, **plan)
+
+        def configure_model() -> None:
+            self.schedule, stages = build_pipeline(
+                model, meshes["pp"], config.split_points, n_microbatches=config.n_microbatches,
+                loss_fn=self._loss, schedule=config.schedule, stages_per_rank=config.stages_per_rank,
+                parallelize_fn=parallelize_stage, device=self.device,
+            )  # fmt: skip
+            setattr(module, config.module, nn.ModuleList(stages))
+            self._ties = [self._tie_group(names, stages, units) for names in config.tied]
+
+        module.configure_model = configure_model  # type: ignore[method-assign]
+
+    def _take_over_zero_grad(self, module: pl.LightningModule) -> None:
+        if is_overridden("optimizer_zero_grad", module):
+            raise ValueError(
+                f"with pp > 1, NDParallelStrategy zeroes gradients itself (Lightning would zero them "
+                f"after training_step, where the schedule has already run backward): "
+                f"{type(module).__name__} must not override optimizer_zero_grad()"
+            )
+
+        def optimizer_zero_grad(*args: Any, **kwargs: Any) -> None:
+            pass  # done by zero_grad(), before the schedule
+
+        module.optimizer_zero_grad = optimizer_zero_grad  # type: ignore[method-assign]
+
+    def schedule_user_stages(self) -> None:
+        """After the user's ``configure_model``: ``config.module`` is an ``nn.ModuleDict``
+        ``{str(global stage index): stage}`` of this rank's parallelized stages; schedule them."""
+        if not self._user_stages:
+            return
+        name = self.config.module
+        stages = getattr(self._module, name, None)
+        if not isinstance(stages, nn.ModuleDict):
+            raise ValueError(
+                f"with pp > 1 and a configure_model(), set self.{name} = nn.ModuleDict({{str(stage_index): "
+                f"stage_module}}) of this rank's stages; got {type(stages).__name__}"
+            )
+        self.schedule = schedule_stages(
+            {int(i): m for i, m in stages.items()}, self.pp * self.config.stages_per_rank, self.meshes["pp"],
+            n_microbatches=self.config.n_microbatches, loss_fn=self._loss, schedule=self.config.schedule,
+            device=self.device,
+        )  # fmt: skip
+
+    def _tie_group(
+        self, names: Sequence[str], stages: list[nn.Module], units: list[str]
+    ) -> tuple[list[torch.Tensor], dist.ProcessGroup | None]:
+        """This rank's copies of one tied parameter and the process group of the ranks (in this rank's
+        pp column) whose stages hold a copy. Collective: every rank creates every column's group."""
+        pp, config = self.pp, self.config
+        per_stage = stage_units_of(units, config.split_points, pp * config.stages_per_rank)
+        owners = sorted({i % pp for i, keep in enumerate(per_stage) if any(n.rsplit(".", 1)[0] in keep for n in names)})
+        if len(owners) < 2:
+            raise ValueError(f"pp_tied_parameters {list(names)}: held by fewer than two pipeline ranks")
+        columns = self.meshes.world.mesh.reshape(pp, -1)
+        mine = int((columns == dist.get_rank()).nonzero()[0, 1])
+        group = None
+        for c in range(columns.shape[1]):
+            g = dist.new_group([int(columns[o, c]) for o in owners])
+            group = g if c == mine else group
+        holders: list[torch.Tensor] = [p for stage in stages for n, p in stage.named_parameters() if n in names]
+        return holders, group
+
+    @property
+    def tied_parameters(self) -> dict[str, torch.Tensor] | None:
+        """``{key: this rank's copy}`` of the parameters tied across stages (for the norm)."""
+        ties = {names[0]: holders[0] for names, (holders, _) in zip(self.config.tied, self._ties) if holders}
+        return ties or None
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._module.pipeline_loss(output, target) * self.loss_scale
+
+    def zero_grad(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Zero gradients before the schedule of a window's first micro-batch runs backward."""
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+    def window_complete(self) -> None:
+        """The window's gradients are complete: sum the tied copies over their stages."""
+        for holders, group in self._ties:
+            tie_gradients(holders, group)
+
+    def run(self, inputs: Any, target: Any, training: bool) -> torch.Tensor:
+        """One batch through the schedule; the loss, float64, broadcast from the last stage."""
+        pp_mesh = self.meshes["pp"]
+        rank, size = pp_mesh.get_local_rank(), pp_mesh.size()
+        run = self.schedule.step if training else self.schedule.eval
+        if not training:
+            self.loss_scale = 1.0  # evaluation: the plain sum of pipeline_loss over micro-batches
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            run(inputs, target=target if rank == size - 1 else None, losses=losses)
+        elif rank == size - 1:
+            run(target=target, losses=losses)
+        else:
+            run()
+        # float64 on every rank: the broadcast must agree in size whatever the loss dtype
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        if losses:
+            loss = torch.stack(losses).sum().detach().to(torch.float64)
+        last = int(pp_mesh.mesh.flatten()[size - 1])
+        dist.broadcast(loss, src=last, group=pp_mesh.get_group())
+        return loss
