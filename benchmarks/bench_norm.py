@@ -187,9 +187,23 @@ def bench_case(layout: str, n_tensors: int, args) -> dict:
     out["floor_rw"] = time_fn(lambda: flat.mul_(1.0), args.reps)
     scalar = torch.zeros(4, dtype=torch.float64)  # latency of the one all-reduce every method needs
     out["allreduce"] = time_fn(lambda: dist.all_reduce(scalar), args.reps)
+    out["flat_clip"] = time_fn(flat_clip(flat, args.world_size), args.reps)
     del model, params, methods, flat
     gc.collect()
     return out
+
+
+def flat_clip(flat: torch.Tensor, world: int):
+    """The distributed floor: a whole clip of one flat buffer (norm, the one all-reduce when world >
+    1, as ndclip, and the scale)."""
+
+    def fn() -> None:
+        sq = torch.linalg.vector_norm(flat).to(torch.float64).square().reshape(1)
+        if world > 1:
+            dist.all_reduce(sq)
+        flat.mul_(torch.clamp(1e9 / (sq.sqrt() + 1e-6), max=1.0).to(flat.dtype))
+
+    return fn
 
 
 def reduce_ranks(per_rank: list[dict]) -> dict:
@@ -198,7 +212,7 @@ def reduce_ranks(per_rank: list[dict]) -> dict:
     for key in ("local_mb", "build_s", "runs_norm", "runs_scale"):
         row[key] = max(r[key] for r in per_rank)
     row["runs_norm_per_rank"] = [r["runs_norm"] for r in per_rank]
-    for key in METHODS + ("floor_r", "floor_rw", "allreduce"):
+    for key in METHODS + ("floor_r", "floor_rw", "allreduce", "flat_clip"):
         if "ms" in row[key]:
             row[key] = dict(row[key], **{k: max(r[key][k] for r in per_rank) for k in ("ms", "first_s")})
     row["rel_err_vs_torch"] = max((r.get("rel_err_vs_torch", 0.0) for r in per_rank), default=0.0)
@@ -236,8 +250,8 @@ def ratio(a: dict, b: dict | float) -> str:
 
 def write_markdown(data: dict, path: Path) -> None:
     head = ("| layout | N tensors | local MB | runs norm/scale | ndclip ms | ndclip_norm ms | torch ms | "
-            "torchtitan ms | floor ms (r + rw) | 1 all-reduce ms | collectives ndclip/torch/titan | 1st call s ndclip/torch | ndclip/floor | "
-            "ndclip/torch | ndclip/torchtitan |")
+            "torchtitan ms | floor ms (r + rw) | 1 all-reduce ms | flat clip ms | collectives ndclip/torch/titan | "
+            "1st call s ndclip/torch | ndclip/floor | ndclip/flat clip | ndclip/torch | ndclip/torchtitan |")
     lines = [f"# Gradient norm + clip, {data['world_size']} ranks (CPU, gloo, 1 thread per rank)", "",
              "Times: median per call, max over ranks. Runs: max over ranks. See README.md.", "",
              head, "|" + "---|" * (head.count("|") - 1)]
@@ -248,8 +262,8 @@ def write_markdown(data: dict, path: Path) -> None:
             f"| {r['layout']} | {r['n_tensors']} | {r['local_mb']:.1f} | {r['runs_norm']}/{r['runs_scale']} | "
             f"{fmt(r['ndclip'])} | {fmt(r['ndclip_norm'])} | {fmt(r['torch'])} | {fmt(r['torchtitan'])} | "
             f"{r['floor_ms']:.2f} ({r['floor_r']['ms']:.2f} + {r['floor_rw']['ms']:.2f}) | {fmt(r['allreduce'])} | "
-            f"{coll} | {first} | "
-            f"{ratio(r['ndclip'], r['floor_ms'])} | {ratio(r['ndclip'], r['torch'])} | "
+            f"{fmt(r['flat_clip'])} | {coll} | {first} | "
+            f"{ratio(r['ndclip'], r['floor_ms'])} | {ratio(r['ndclip'], r['flat_clip'])} | {ratio(r['ndclip'], r['torch'])} | "
             f"{ratio(r['ndclip'], r['torchtitan'])} |")
     errs = ", ".join(f"{r['layout']} N={r['n_tensors']}: {r['rel_err_vs_torch']:.1e}"
                      for r in data["rows"] if "ms" in r["torch"])
@@ -273,6 +287,7 @@ def write_plot(data: dict, path: Path) -> None:
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=m)
         ax.plot([r["n_tensors"] for r in rows], [r["floor_ms"] for r in rows], "k--", label="floor (r + rw)")
+        ax.plot([r["n_tensors"] for r in rows], [r["flat_clip"]["ms"] for r in rows], "k:", label="flat clip")
         ax.set(xscale="log", yscale="log", xlabel="gradient tensors per rank", ylabel="ms per call",
                title=f"{layout}, {data['world_size']} ranks")
         ax.grid(True, which="both", alpha=0.3)
