@@ -207,6 +207,24 @@ def test_token_mean_requires_count_tokens():
     assert "count_tokens(batch)" in message
 
 
+class _NoLossModule(_TokenModule):
+    def training_step(self, batch, batch_idx):
+        super().training_step(batch, batch_idx)  # computes the loss, returns nothing
+
+
+def _no_loss_case() -> str:
+    use_existing_process_group()
+    trainer = _trainer(NDParallelStrategy(loss_normalization="token_mean"), devices=1, logger=False)
+    with pytest.raises(TypeError) as info:
+        trainer.fit(_NoLossModule())
+    return str(info.value)
+
+
+def test_token_mean_names_a_training_step_that_returns_no_loss():
+    (message,) = run_on_ranks(1, _no_loss_case)
+    assert "loss_normalization='token_mean'" in message and "got NoneType" in message
+
+
 def _precision_case(precision: str) -> list[float]:
     use_existing_process_group()
     recorder = Recorder()
