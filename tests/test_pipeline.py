@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import lightning_ndclip as nd
+from lightning_ndclip.experts import MoE, shard_experts
 from lightning_ndclip.pipeline import build_pipeline, model_units, split_model, tie_gradients
 
 VOCAB, WIDTH = 11, 8
@@ -437,3 +438,90 @@ def test_stages_built_in_configure_model_match_single_device():
             assert abs(ours - ref) <= 1e-12 * ref
         for name, value in r["params"].items():
             assert float((value - expected[name]).norm() / expected[name].norm()) < 1e-12, name
+
+
+# --- a MoE layer inside one pipeline stage, experts sharded over that stage's data ranks ---
+
+
+class _MoEBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = MoE(WIDTH, 12, num_experts=4, top_k=2)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.moe(h)
+
+
+def _moe_lm() -> TinyLM:
+    model = TinyLM()
+    torch.manual_seed(1)
+    model.layers["1"] = _MoEBlock().double()
+    return model
+
+
+def _moe_reference():
+    model = _moe_lm()
+    tokens, labels = _batch()
+    loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    (loss / (labels != -100).sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return grads, torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads.values()]))
+
+
+def _pp_moe_case() -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    ref_grads, ref_norm = _moe_reference()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
+    experts_mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "edp", "ep"))
+    dp = mesh["dp_shard"]
+    tokens, labels = (t.chunk(2)[dp.get_local_rank()] for t in _batch())
+    count = nd.sync_token_count(nd.count_valid_tokens(labels), group=dp.get_group())
+
+    def loss_fn(out, target):
+        return count.normalize(
+            nn.functional.cross_entropy(out.flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
+        )
+
+    def parallelize(stage: nn.Module) -> None:  # stage 0 holds the MoE layer, stage 1 none
+        for layer in stage.layers.values():
+            if isinstance(layer, _MoEBlock):  # ep = the stage's 2 data ranks; expert-dp of size 1
+                shard_experts(layer.moe, experts_mesh["ep"])
+                fully_shard(layer.moe.experts, mesh=experts_mesh["edp"])
+                fully_shard(layer, mesh=dp)  # the router
+            else:
+                fully_shard(layer, mesh=dp)
+        fully_shard(stage, mesh=dp)
+        nd.use_sum_reduction(stage)
+
+    sched, modules = build_pipeline(
+        _moe_lm(), mesh["pp"], ["layers.2"], n_microbatches=2, loss_fn=loss_fn, schedule="1f1b",
+        parallelize_fn=parallelize,
+    )
+    if mesh["pp"].get_local_rank() == 0:
+        sched.step(tokens)
+    else:
+        sched.step(target=labels)
+    (stage,) = modules
+    norms = nd.grad_norms(stage)  # pp inferred from the "pp" dim of the root mesh
+    return {
+        "total": float(norms.total),
+        "ref_total": float(ref_norm),
+        "per_tensor": {n: float(v) for n, v in norms.as_dict().items()},
+        "ref_per_tensor": {n: float(g.norm()) for n, g in ref_grads.items()},
+        "grad_err": max(
+            float((p.grad.full_tensor() - ref_grads[n]).norm() / ref_grads[n].norm()) for n, p in stage.named_parameters()
+        ),
+        "experts_here": sorted(n for n, _ in stage.named_parameters() if "experts" in n),
+    }
+
+
+def test_moe_in_one_pipeline_stage_matches_single_device():
+    results = run_on_ranks(4, _pp_moe_case)
+    assert [r["experts_here"] for r in results][::2] == [["layers.1.moe.experts.w_in", "layers.1.moe.experts.w_out"], []]
+    for r in results:
+        assert r["grad_err"] < 1e-10
+        assert abs(r["total"] - r["ref_total"]) <= 1e-12 * r["ref_total"]
+        assert r["per_tensor"].keys() == r["ref_per_tensor"].keys()  # every stage's tensors, on every rank
+        for name, value in r["per_tensor"].items():
+            assert abs(value - r["ref_per_tensor"][name]) <= 1e-12 * r["ref_per_tensor"][name], name
