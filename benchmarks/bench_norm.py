@@ -188,7 +188,7 @@ def bench_case(layout: str, n_tensors: int, args) -> dict:
     scalar = torch.zeros(4, dtype=torch.float64)  # latency of the one all-reduce every method needs
     out["allreduce"] = time_fn(lambda: dist.all_reduce(scalar), args.reps)
     out["flat_clip"] = time_fn(flat_clip(flat, args.world_size), args.reps)
-    del model, params, methods, flat
+    methods.clear()  # the lambdas hold the model
     gc.collect()
     return out
 

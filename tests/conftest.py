@@ -2,9 +2,8 @@
 
 from collections.abc import Iterator
 
-import pytest
-
 import harness
+import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)

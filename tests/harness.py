@@ -35,9 +35,10 @@ import threading
 import time
 import traceback
 from collections import OrderedDict
+from collections.abc import Callable
 from multiprocessing import connection, get_context
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 from unittest import mock
 
 import torch

@@ -76,7 +76,7 @@ def _ep_case(ep: int, steps: int, skew: bool) -> dict:
     fully_shard(model, mesh=dense_mesh)  # the router: dense, summed over every data rank
     nd.use_sum_reduction(model)
     x, y = _data(dist.get_rank())
-    norms, received = [], []
+    norms = []
     for _ in range(steps):
         model.zero_grad()
         (((model(x) - y) ** 2).sum() / (WORLD * TOKENS_PER_RANK)).backward()

@@ -3,11 +3,10 @@
 import os
 import time
 
+import harness
 import pytest
 import torch
 import torch.distributed as dist
-
-import harness
 from harness import RankFailure, run_on_ranks
 
 

@@ -388,7 +388,9 @@ def _mp_policy_case() -> dict:
     _trainer(strategy, devices=2, max_steps=2, callbacks=[GlobalNormClip(0.3)], logger=recorder).fit(module)
     return {
         "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m],
-        "param_dtype": {unit._get_fsdp_state()._mp_policy.param_dtype for unit in module.modules() if isinstance(unit, FSDPModule)},
+        "param_dtype": {
+            unit._get_fsdp_state()._mp_policy.param_dtype for unit in module.modules() if isinstance(unit, FSDPModule)
+        },
     }
 
 
