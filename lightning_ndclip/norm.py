@@ -150,7 +150,8 @@ def _norms(tensors: list[torch.Tensor], norm_type: float, dtype: torch.dtype, fo
 
 
 def _collective_device(group: dist.ProcessGroup | None, like: torch.device) -> torch.device:
-    if like.type == "cpu" or not dist.is_initialized() or dist.get_backend(group) == "gloo":
+    """Where the local sums meet for the all-reduce: the gradients' device, or the CPU for gloo."""
+    if like.type != "cpu" and dist.is_initialized() and dist.get_backend(group) == "gloo":
         return torch.device("cpu")
     return like
 
@@ -183,7 +184,9 @@ def _global_norm(
     locals_ = _locals(grads)
     runs = entry.finder.runs(locals_, plan.counted)
     acc = accumulate_dtype or plan.accumulate_dtype
-    device = _collective_device(group, locals_[0].device if locals_ else torch.device("cpu"))
+    device = locals_[0].device if locals_ else torch.device("cpu")
+    if plan.needs_collective:
+        device = _collective_device(plan.group, device)
 
     def powers(norms: list[torch.Tensor]) -> torch.Tensor:
         if not norms:
