@@ -79,6 +79,8 @@ class _CachedPlan:
 
 
 _plans: OrderedDict[tuple, _CachedPlan] = OrderedDict()
+# for clip_grads_with_norm_, by layout; each keeps the specs its key holds the ids of alive
+_scale_finders: OrderedDict[tuple, tuple[RunFinder, tuple]] = OrderedDict()
 
 
 def _locals(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -330,6 +332,19 @@ def _scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool |
                 t.mul_(c)
 
 
+def _scale_runs(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The contiguous runs covering every local element of ``grads`` (see :mod:`lightning_ndclip.runs`)."""
+    key = _layout_key(grads)
+    entry = _scale_finders.get(key)
+    if entry is None:
+        entry = _scale_finders[key] = (RunFinder(), tuple(g._spec for g in grads if isinstance(g, DTensor)))
+        while len(_scale_finders) > _MAX_CACHED_PLANS:
+            _scale_finders.popitem(last=False)
+    else:
+        _scale_finders.move_to_end(key)
+    return entry[0].runs(_locals(grads), [True] * len(grads)).to_scale
+
+
 def _clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
     return torch.clamp(float(max_norm) / (total_norm + _EPS), max=1.0)
 
@@ -346,8 +361,8 @@ def clip_grads_with_norm_(
     local shards of DTensor gradients. ``total_norm`` must be the global norm, e.g. from
     :func:`get_total_norm`. The coefficient stays on the device.
     """
-    grads = _locals([g for g in _read_grads(_as_tensor_list(parameters)) if g is not None])
-    _scale_([g for g in grads if g.numel() > 0], _clip_coef(max_norm, total_norm), foreach)
+    grads = [g for g in _read_grads(_as_tensor_list(parameters)) if g is not None]
+    _scale_(_scale_runs(grads), _clip_coef(max_norm, total_norm), foreach)
 
 
 def _read_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -431,7 +446,8 @@ def grad_norms(
         named_parameters: ``(name, parameter)`` pairs, or a module (its ``named_parameters()``).
         per_tensor: also return the per-parameter norms (costs one extra local pass over the
             gradients instead of the coalesced one, and a slot per parameter in the all-reduce).
-        Others: as in :func:`clip_grad_norm_`.
+        norm_type, foreach, pp_mesh, tied_parameters, process_group, accumulate_dtype: as in
+            :func:`clip_grad_norm_`.
     """
     if isinstance(named_parameters, torch.nn.Module):
         named_parameters = named_parameters.named_parameters()

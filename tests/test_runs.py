@@ -93,3 +93,18 @@ def test_overlapping_views_and_plain_tensors_are_their_own_runs():
     tensors = [base[0:6], base[4:10], torch.randn(3, dtype=torch.float64), torch.empty(0, dtype=torch.float64)]
     to_norm, to_scale = _check(RunFinder(), tensors, [True] * 4)
     assert len(to_norm) == len(to_scale) == 3  # the empty tensor is skipped
+
+
+def test_clip_grads_with_norm_scales_buffer_views_exactly_and_leaves_padding_alone():
+    import lightning_ndclip as nd
+
+    buffer, views = _fsdp_like([6, 4, 10, 8], [0, 3, 0, 2])
+    params = [torch.nn.Parameter(torch.zeros_like(v)) for v in views]
+    for p, v in zip(params, views):
+        p.grad = v
+    expected = [v * 0.0625 for v in views]
+    total = torch.tensor(2.0 - 1e-6, dtype=torch.float64)  # coefficient 0.5 / (total + 1e-6) = 1/4
+    nd.clip_grads_with_norm_(params, 0.5, total)
+    nd.clip_grads_with_norm_(params, 0.5, total)  # the cached grouping, re-validated
+    assert all(torch.equal(p.grad, e) for p, e in zip(params, expected))
+    assert torch.isnan(buffer).sum() == 5
