@@ -66,7 +66,8 @@ class NDParallelStrategy(ModelParallelStrategy):
             The LightningModule defines ``count_tokens(batch) -> Tensor`` (valid tokens of a raw
             batch) and ``training_step`` returns the **sum** of its per-token losses (a tensor, or a
             dict whose ``"loss"`` is that sum). The strategy reads every micro-batch of an
-            accumulation window ahead, sums their counts over the loss dims ``dp_cp`` in one
+            accumulation window ahead, sums their counts over the batch dims ``dp`` (cp peers read the
+            same raw batch, so each token counts once) in one
             all-reduce, scales each micro-batch's loss by ``accumulate_grad_batches / N`` before
             backward (undoing Lightning's division by ``accumulate_grad_batches``, also for a partial
             window at the end of an epoch), makes every FSDP2 reduction a SUM and lets FSDP2 reduce

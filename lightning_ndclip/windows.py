@@ -54,8 +54,9 @@ class LossWindows:
         module: Any = self._strategy.lightning_module  # a LightningModule with the hooks of its normalization
         meshes, device = self._strategy.meshes, self._strategy.root_device
         if self._strategy._loss_normalization == "token_mean":
+            # summed over the batch dims only: the ranks of a cp group read the same raw batch
             counts = [torch.as_tensor(module.count_tokens(b)).to(device) for b in window]
-            return [sync_token_count(counts, group=meshes["dp_cp"].get_group()).total] * len(window)
+            return [sync_token_count(counts, group=meshes["dp"].get_group()).total] * len(window)
         described = [module.sample_ids(b) for b in window]
         weights = sync_sample_weights(
             [torch.as_tensor(d[0]).to(device) for d in described],

@@ -242,3 +242,54 @@ def test_sample_mean_with_context_parallel_in_the_trainer_matches_single_device(
 
     assert worst(run_on_ranks(4, _dit_trainer_case, False)) < 1e-12
     assert worst(run_on_ranks(4, _dit_trainer_case, True)) > 1e-4, "the per-rank mean should be detectably off"
+
+
+# --- end to end: NDParallelStrategy(dp_shard=2, cp=2, loss_normalization="token_mean") ---
+
+
+class _CausalLMModule(L.LightningModule):
+    """Packed token rows; the cp rank takes its load-balanced part of each row; loss: token mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TinyTransformer(13)
+
+    def configure_model(self) -> None:
+        fully_shard(self.model, mesh=self.trainer.strategy.meshes["fsdp"])
+
+    def count_tokens(self, batch) -> torch.Tensor:  # of the raw batch, as cp peers all see it
+        return count_valid_tokens(batch[1])
+
+    def training_step(self, batch, batch_idx):
+        cp = self.trainer.strategy.meshes["cp"]
+        rank, size = cp.get_local_rank(), cp.size()
+        (tokens, positions), (labels, _) = (shard_sequence(t, rank, size, dim=1, load_balance=True) for t in batch)
+        logits = self.model(tokens, positions, None, cp.get_group(), is_causal=True)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=DIT_LR)
+
+    def train_dataloader(self):
+        b = _packed_batch(8, 4)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(b["tokens"], b["labels"]), batch_size=1)
+
+
+def _lm_trainer_case() -> dict:
+    use_existing_process_group()
+    module = _CausalLMModule()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, max_steps=1, accumulate_grad_batches=2, logger=False,
+        strategy=nd.NDParallelStrategy(dp_shard=2, cp=2, loss_normalization="token_mean"),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module)  # one step = 2 micro-batches x 2 dp ranks = every row
+    return {n: p.detach().full_tensor() for n, p in module.model.named_parameters()}
+
+
+def test_token_mean_with_context_parallel_in_the_trainer_matches_single_device():
+    """Each token counted once: cp peers read the same raw batch, so counts are summed over dp only."""
+    grads, _ = _reference("lm", _packed_batch(8, 4))
+    expected = {n: p.detach() - DIT_LR * grads[n] for n, p in TinyTransformer(13).named_parameters()}
+    results = run_on_ranks(4, _lm_trainer_case)
+    assert max(float((v - expected[n]).norm() / expected[n].norm()) for r in results for n, v in r.items()) < 1e-12
