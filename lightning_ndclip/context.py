@@ -71,14 +71,14 @@ class _GatherAlongDim(torch.autograd.Function):
     available on every backend) and keeps this rank's slice. Equal-sized parts are assumed."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, t: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, t.contiguous(), group=group)
         ctx.group, ctx.dim, ctx.size = group, dim, t.shape[dim]
         return torch.cat(parts, dim=dim)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         start = dist.get_rank(ctx.group) * ctx.size

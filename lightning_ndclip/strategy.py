@@ -99,10 +99,11 @@ class NDParallelStrategy(ModelParallelStrategy):
         pp_module: the LightningModule attribute holding the model to split (default ``"model"``).
             With ``pp > 1`` the strategy replaces it by the ``nn.ModuleList`` of this rank's stages
             (parallelized with the declarative plan, by the module's ``parallelize_stage(stage)``
-            hook, or else with one ``fully_shard`` per stage), and ``training_step`` runs them with ``trainer.strategy.run_pipeline(inputs,
-            target)``, which does forward and backward and returns the loss; the module defines
-            ``pipeline_loss(output, target)``: a micro-batch's mean loss, or its loss *sum* with
-            ``loss_normalization="token_mean"``. The strategy then never calls backward itself.
+            hook, or else with one ``fully_shard`` per stage), and ``training_step`` runs them with
+            ``trainer.strategy.run_pipeline(inputs, target)``, which does forward and backward and
+            returns the loss; the module defines ``pipeline_loss(output, target)``: a micro-batch's
+            mean loss, or its loss *sum* with ``loss_normalization="token_mean"``. The strategy then
+            never calls backward itself.
         pp_tied_parameters: groups of parameter names (as in the unsplit model) that are one
             parameter held by several stages, e.g. ``[("embed.weight", "head.weight")]``: their
             gradients are summed over the holding stages after each window and counted once by
