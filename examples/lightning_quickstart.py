@@ -10,6 +10,7 @@ A small MLP on generated data, parallelized declaratively (FSDP2 units, tensor p
 from __future__ import annotations
 
 import argparse
+import os
 import warnings
 
 import lightning as L
@@ -54,6 +55,8 @@ def main() -> None:
     parser.add_argument("--logdir", default="runs")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    if "OMP_NUM_THREADS" not in os.environ:  # Lightning sets it on rank 0 only
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))  # the ranks share the cores
 
     plan = {"net.0": ColwiseParallel(), "net.2": RowwiseParallel()} if args.tp > 1 else None
     clip = GlobalNormClip(args.max_norm, log_module_depth=2)
@@ -75,8 +78,8 @@ def main() -> None:
         print(f"TensorBoard logs: {logger.log_dir}  (tensorboard --logdir {args.logdir})")
         print(
             f"summary: final loss {float(metrics['train/loss']):.4f}, last grad norm "
-            f"{float(metrics['grad_norm/total']):.4f} (clip coefficient {float(metrics['grad_norm/clip_coef']):.3f}), "
-            f"skipped steps {clip.skipped_steps}"
+            f"{float(metrics['grad_norm/total']):.4f}, clip rate {clip.clip_rate:.2f} "
+            f"({clip.clipped_steps}/{clip.seen_steps} steps clipped), skipped steps {clip.skipped_steps}"
         )
 
 

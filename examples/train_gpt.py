@@ -14,6 +14,7 @@ of ``--seq-len`` tokens, padding labelled -100, so ranks hold different numbers 
 from __future__ import annotations
 
 import argparse
+import os
 import warnings
 
 import lightning as L
@@ -101,7 +102,8 @@ class LitGPT(L.LightningModule):
         # this rank's exact share of the window's mean loss; summed over the window and the data
         # ranks it is the single-device mean of the whole window
         self._window_loss = getattr(self, "_window_loss", 0.0) + share.detach().double()
-        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
+        last_of_epoch = batch_idx + 1 == self.trainer.num_training_batches  # a shorter last window
+        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0 or last_of_epoch:
             self.log("train/loss", self._window_loss, prog_bar=True, sync_dist=True, reduce_fx="sum")
             self._window_loss = 0.0
         return loss
@@ -136,6 +138,8 @@ def main() -> None:
     p.add_argument("--logdir", default="runs")
     args = p.parse_args()
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    if args.accelerator == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # Lightning sets it on rank 0 only
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))  # the ranks share the cores
 
     tp_plan = None
     if args.tp > 1:
@@ -145,7 +149,7 @@ def main() -> None:
     pipeline = {}
     if args.pp > 1:
         per_stage = args.layers // args.pp
-        pipeline = dict(pp_split_points=[f"layers.{per_stage * s}" for s in range(1, args.pp)], pp_microbatches=2)
+        pipeline = {"pp_split_points": [f"layers.{per_stage * s}" for s in range(1, args.pp)], "pp_microbatches": 2}
         tp_plan = None  # TP inside pipeline stages: see docs/pipeline.md (a parallelize_stage hook)
     strategy = NDParallelStrategy(
         dp_shard=args.dp_shard, tp=args.tp if args.pp == 1 else 1, pp=args.pp, tp_plan=tp_plan,
@@ -161,10 +165,9 @@ def main() -> None:
     trainer.fit(LitGPT(args))
     if trainer.is_global_zero:
         m = trainer.callback_metrics
-        clipped = float(m["grad_norm/clip_coef"]) < 1.0
         print(f"TensorBoard logs: {logger.log_dir}  (tensorboard --logdir {args.logdir})")
-        print(f"summary: final loss {float(m['train/loss']):.4f}, last grad norm {float(m['grad_norm/total']):.4f} "
-              f"({'clipped' if clipped else 'not clipped'} at the last logged step), "
+        print(f"summary: final loss {float(m['train/loss']):.4f}, last grad norm {float(m['grad_norm/total']):.4f}, "
+              f"clip rate {clip.clip_rate:.2f} ({clip.clipped_steps}/{clip.seen_steps} steps clipped), "
               f"skipped steps {clip.skipped_steps}")
 
 

@@ -2,22 +2,50 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SUMMARY = re.compile(
+    r"summary: final loss (?P<loss>\S+), last grad norm (?P<norm>\S+), clip rate (?P<rate>\S+) "
+    r"\((?P<clipped>\d+)/(?P<seen>\d+) steps clipped\), skipped steps (?P<skipped>\d+)"
+)
 
 
 def _run(script: str, *args: str, cwd: Path) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240
+        [sys.executable, str(EXAMPLES / script), *args],
+        check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=240,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return done.stdout
+
+
+def _summary(out: str, steps: int) -> dict[str, float]:
+    """The example's last two lines (where its TensorBoard logs are, and the run's summary), checked."""
+    logs, summary = out.strip().splitlines()[-2:]
+    assert logs.startswith("TensorBoard logs: ") and "  (tensorboard --logdir " in logs, logs
+    match = SUMMARY.fullmatch(summary)
+    assert match, summary
+    values = {key: float(value) for key, value in match.groupdict().items()}
+    assert math.isfinite(values["loss"]) and math.isfinite(values["norm"]) and values["norm"] > 0
+    assert values["seen"] == steps and values["clipped"] <= steps and values["skipped"] == 0
+    assert abs(values["rate"] - values["clipped"] / steps) <= 0.005
+    return values
+
+
+def _scalars(run_dir: Path) -> dict[str, list[float]]:
+    """Every scalar series of the run's one TensorBoard event file, by tag."""
+    (events,) = run_dir.glob("version_0/events.out.tfevents.*")
+    accumulator = EventAccumulator(str(events)).Reload()
+    return {tag: [e.value for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
 
 
 def test_norm_demo_matches_single_device(tmp_path):
@@ -29,12 +57,30 @@ def test_norm_demo_matches_single_device(tmp_path):
 
 def test_lightning_quickstart_trains_with_lightnings_own_launcher(tmp_path):
     out = _run("lightning_quickstart.py", "--max-steps", "10", "--logdir", str(tmp_path / "runs"), cwd=tmp_path)
-    assert "TensorBoard logs:" in out and "summary: final loss" in out
+    _summary(out, steps=10)
     assert list((tmp_path / "runs" / "quickstart").glob("version_0/events.out.tfevents.*"))
 
 
 def test_train_gpt_runs_fsdp_x_tp_and_logs(tmp_path):
     out = _run("train_gpt.py", "--max-steps", "4", "--rows", "96", "--logdir", str(tmp_path / "runs"), cwd=tmp_path)
-    loss = float(re.search(r"summary: final loss (\S+),", out).group(1))
-    assert 0 < loss < 10  # a finite mean cross-entropy over 64 tokens (ln 64 ≈ 4.2 at the start)
+    assert 0 < _summary(out, steps=4)["loss"] < 10  # mean cross-entropy over 64 tokens (ln 64 ≈ 4.2 at the start)
     assert list((tmp_path / "runs" / "gpt").glob("version_0/events.out.tfevents.*"))
+
+
+def test_train_video_dit_runs_fsdp_x_context_parallel_and_logs(tmp_path):
+    args = ("--max-steps", "2", "--rows", "32", "--layers", "2", "--log-every-n-steps", "1")
+    out = _run("train_video_dit.py", *args, "--logdir", str(tmp_path / "runs"), cwd=tmp_path)
+    assert 0 < _summary(out, steps=2)["loss"] < 10  # per-clip mean squared error of a velocity of variance ~1.5
+    scalars = _scalars(tmp_path / "runs" / "video_dit")
+    assert len(scalars["train/loss"]) == 2 and len(scalars["grad_norm/total"]) == 2
+
+
+def test_train_moe_runs_expert_parallel_and_logs_expert_and_dense_norms(tmp_path):
+    args = ("--max-steps", "2", "--rows", "64", "--log-every-n-steps", "1")
+    out = _run("train_moe.py", *args, "--logdir", str(tmp_path / "runs"), cwd=tmp_path)
+    assert 0 < _summary(out, steps=2)["loss"] < 10
+    scalars = _scalars(tmp_path / "runs" / "moe")
+    total, expert, dense = (scalars[f"grad_norm/{tag}"] for tag in ("total", "expert", "dense"))
+    assert len(total) == 2 and min(expert) > 0 and min(dense) > 0
+    for t, e, d in zip(total, expert, dense):  # the split is exact (TensorBoard stores float32)
+        assert abs(e**2 + d**2 - t**2) <= 1e-5 * t**2
