@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 import re
 import warnings
 from collections.abc import Callable, Mapping
@@ -40,8 +41,10 @@ class GlobalNormClip(Callback):
             ``grad_norm/skipped_steps`` and warns; ``"raise"`` raises ``RuntimeError``; ``"clip"``
             scales anyway (gradients become non-finite, as with PyTorch). ``"skip"`` and ``"raise"``
             read one boolean on the host per step; ``"clip"`` never synchronizes.
-        log_every_n_steps: log every so many optimizer steps; default: the Trainer's
-            ``log_every_n_steps``.
+        log_every_n_steps: log at the optimizer steps Lightning writes to the logger with this
+            period (step ``s`` when ``(s + 1) % log_every_n_steps == 0``, and the last step of a
+            run); default: the Trainer's ``log_every_n_steps``; use a multiple of it (values logged
+            at steps Lightning does not write are dropped by Lightning).
         log_module_depth: also log ``grad_norm/<module>`` for every module prefix of this many dotted
             name components (``1``: ``layers``, ``2``: ``layers.0``, ...); exact global norms.
         log_name_filter: also log ``grad_norm/<name>`` for every parameter whose name matches this
@@ -55,6 +58,15 @@ class GlobalNormClip(Callback):
     Logged (pre-clip and post-clip are both named, so neither is mistaken for the other):
     ``grad_norm/total`` (pre-clip), ``grad_norm/clipped`` (post-clip), ``grad_norm/clip_coef``,
     ``grad_norm/skipped_steps``.
+
+    Counters, for run summaries (all kept in the callback's checkpoint state): the read-only
+    properties ``seen_steps`` (optimizer steps seen), ``clipped_steps`` (steps whose finite norm
+    was scaled down, i.e. clip coefficient < 1) and ``clip_rate`` (``clipped_steps / seen_steps``;
+    0.0 before the first step), and ``skipped_steps`` (steps skipped for a non-finite norm). A step
+    with a non-finite norm counts as seen but never as clipped, whatever ``nonfinite`` is. The
+    clipped count is accumulated in a device tensor, so counting adds no host synchronization; it
+    is read (one synchronization) only when asked for: ``clipped_steps``, ``clip_rate``, or a
+    checkpoint.
     """
 
     def __init__(
@@ -87,14 +99,17 @@ class GlobalNormClip(Callback):
         self.log_module_depth = log_module_depth
         self.log_name_filter = re.compile(log_name_filter) if log_name_filter else None
         self.expert_pattern = re.compile(expert_pattern) if expert_pattern else None
-        self._norm_kwargs = dict(
-            pp_mesh=pp_mesh,
-            tied_parameters=tied_parameters,
-            process_group=process_group,
-            accumulate_dtype=accumulate_dtype,
-        )
+        self._norm_kwargs = {
+            "pp_mesh": pp_mesh,
+            "tied_parameters": tied_parameters,
+            "process_group": process_group,
+            "accumulate_dtype": accumulate_dtype,
+        }
         self.skipped_steps = 0
+        self._seen_steps = 0
+        self._clipped: torch.Tensor | None = None  # device tensor: steps with a finite norm and coef < 1
         self._groupings: dict[str, tuple[tuple[str, ...], list[str], torch.Tensor]] = {}
+        self._named_cache: list[tuple[str, torch.Tensor]] | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if trainer.gradient_clip_val is not None:
@@ -104,24 +119,43 @@ class GlobalNormClip(Callback):
                 "every mesh (Lightning's clipping is exact only on a single mesh)."
             )
 
+    @property
+    def seen_steps(self) -> int:
+        """Optimizer steps seen so far (skipped ones included)."""
+        return self._seen_steps
+
+    @property
+    def clipped_steps(self) -> int:
+        """Optimizer steps whose finite global norm exceeded ``max_norm`` (reads one device value)."""
+        return 0 if self._clipped is None else int(self._clipped)
+
+    @property
+    def clip_rate(self) -> float:
+        """``clipped_steps / seen_steps``; 0.0 before the first step."""
+        return self.clipped_steps / self._seen_steps if self._seen_steps else 0.0
+
     def state_dict(self) -> dict[str, Any]:
-        return {"skipped_steps": self.skipped_steps}
+        return {
+            "skipped_steps": self.skipped_steps,
+            "seen_steps": self._seen_steps,
+            "clipped_steps": self.clipped_steps,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.skipped_steps = state_dict["skipped_steps"]
+        self._seen_steps = state_dict.get("seen_steps", 0)  # absent from checkpoints of older versions
+        self._clipped = torch.tensor(state_dict.get("clipped_steps", 0), dtype=torch.int64)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        name_of = {id(p): n for n, p in pl_module.named_parameters()}
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        named = [(name_of.get(id(p), f"param_group_param[{i}]"), p) for i, p in enumerate(params)]
-        every = self.log_every_n_steps or trainer.log_every_n_steps
-        log_now = trainer.logger is not None and trainer.global_step % every == 0
+        named = self._named(pl_module, params)
+        log_now = self._should_log(trainer)
         per_tensor = log_now and any(
             x is not None for x in (self.log_module_depth, self.log_name_filter, self.expert_pattern)
         )
-        kwargs = dict(self._norm_kwargs)
+        kwargs: dict[str, Any] = dict(self._norm_kwargs)
         if kwargs["pp_mesh"] is None:  # NDParallelStrategy(pp > 1) knows its pipeline dim and ties
             kwargs["pp_mesh"] = getattr(trainer.strategy, "pipeline_mesh", None)
         if kwargs["tied_parameters"] is None:
@@ -147,11 +181,36 @@ class GlobalNormClip(Callback):
             )
         else:
             clip_grads_with_norm_(params, self.max_norm, total)
+        self._count(total, coef)
         if log_now:
             self._log(pl_module, norms, coef)
 
+    def _named(self, pl_module: pl.LightningModule, params: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """``(name, parameter)`` for the optimizer's parameters, cached while they stay the same."""
+        cached = self._named_cache
+        if cached is None or len(cached) != len(params) or not all(map(operator.is_, params, (p for _, p in cached))):
+            name_of = {id(p): n for n, p in pl_module.named_parameters()}
+            cached = self._named_cache = [(name_of.get(id(p), f"param_group_param[{i}]"), p) for i, p in enumerate(params)]
+        return cached
+
+    def _should_log(self, trainer: pl.Trainer) -> bool:
+        """Whether Lightning writes this optimizer step's logged values to the logger (its own rule:
+        ``(steps done + 1) % every == 0``), or this is the run's last step."""
+        every = int(self.log_every_n_steps or getattr(trainer, "log_every_n_steps", 1) or 0)
+        if trainer.logger is None or every == 0:  # log_every_n_steps=0: Lightning logs nothing
+            return False
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped + 1
+        last = trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps
+        return step % every == 0 or last
+
+    def _count(self, total: torch.Tensor, coef: torch.Tensor) -> None:
+        """Count the step as seen, and as clipped if its norm is finite and ``coef < 1`` (on the device)."""
+        clipped = ((coef < 1) & torch.isfinite(total)).to(torch.int64)
+        self._clipped = clipped if self._clipped is None else self._clipped.to(clipped.device) + clipped
+        self._seen_steps += 1
+
     def _log(self, pl_module: pl.LightningModule, norms: GradNorms, coef: torch.Tensor) -> None:
-        values = {
+        values: dict[str, torch.Tensor | float] = {
             "grad_norm/total": norms.total,
             "grad_norm/clipped": norms.total * coef,
             "grad_norm/clip_coef": coef,

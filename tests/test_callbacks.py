@@ -16,7 +16,11 @@ from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ndclip import GlobalNormClip, NDParallelStrategy
@@ -253,3 +257,53 @@ def test_manual_optimization_and_lightning_ddp_match_single_device(kind):
     for r in results:
         for name, value in r["params"].items():
             assert torch.allclose(value, ref_params[name], rtol=1e-12, atol=1e-14), name
+
+
+def _counter_case(max_norm: float, nonfinite_step: int) -> dict:
+    use_existing_process_group()
+    clip = GlobalNormClip(max_norm)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        max_steps=STEPS, callbacks=[clip], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        trainer.fit(MlpModule(tp=False, nonfinite_step=nonfinite_step))
+    return {"state": clip.state_dict(), "clipped": clip.clipped_steps, "rate": clip.clip_rate, "seen": clip.seen_steps}
+
+
+def test_clip_counters_count_clipped_unclipped_and_skipped_steps():
+    max_norm, nonfinite_step = 2.0, 1
+    ref_norms, _ = _reference(2, max_norm, nonfinite_step=nonfinite_step)
+    clipped = [n > max_norm for step, n in enumerate(ref_norms) if step != nonfinite_step]
+    assert any(clipped) and not all(clipped), ref_norms  # steps that clip and steps that do not
+    results = run_on_ranks(2, _counter_case, max_norm, nonfinite_step)
+    for r in results:
+        assert (r["clipped"], r["seen"]) == (sum(clipped), STEPS)  # the skipped step: seen, not clipped
+        assert r["rate"] == sum(clipped) / STEPS
+        assert r["state"] == {"skipped_steps": 1, "seen_steps": STEPS, "clipped_steps": sum(clipped)}
+    fresh, resumed = GlobalNormClip(max_norm), GlobalNormClip(max_norm)
+    assert (fresh.clipped_steps, fresh.seen_steps, fresh.clip_rate) == (0, 0, 0.0)
+    resumed.load_state_dict(results[0]["state"])  # counters survive a checkpoint
+    assert (resumed.clipped_steps, resumed.seen_steps, resumed.skipped_steps) == (sum(clipped), STEPS, 1)
+
+
+def _cadence_case(every: int, steps: int) -> list[tuple[int, float]]:
+    use_existing_process_group()
+    recorder = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        max_steps=steps, callbacks=[GlobalNormClip(0.3)], logger=recorder, log_every_n_steps=every,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(MlpModule(tp=False))
+    return [(step, m["grad_norm/total"]) for step, m in recorder.rows if "grad_norm/total" in m]
+
+
+def test_each_logged_norm_is_the_norm_of_the_step_it_is_logged_at():
+    """With log_every_n_steps=2 Lightning writes steps 1, 3, ...: the norm logged there is that step's."""
+    ref_norms, _ = _reference(2, max_norm=0.3, steps=5)
+    logged = run_on_ranks(2, _cadence_case, 2, 5)[0]
+    assert [s for s, _ in logged][:2] == [1, 3], logged
+    for step, value in logged:
+        assert abs(value - ref_norms[step]) <= 1e-12 * ref_norms[step], (step, value, ref_norms)
