@@ -1,6 +1,12 @@
-"""lightning_ndclip: exact N-D parallel gradient norms, clipping and loss normalization."""
+"""lightning_ndclip: exact N-D parallel gradient norms, clipping and loss normalization.
 
-from lightning_ndclip.callbacks import GlobalNormClip
+The pure-PyTorch core (norm, loss, reduce, mesh, context, experts, pipeline) imports no Lightning;
+``GlobalNormClip``, ``NDParallelStrategy`` and ``GlobalMeanLoss`` need ``lightning`` /
+``torchmetrics`` and are imported with the package when those are installed.
+"""
+
+from typing import Any
+
 from lightning_ndclip.loss import (
     SampleWeights,
     TokenCount,
@@ -10,13 +16,26 @@ from lightning_ndclip.loss import (
     sync_token_count,
 )
 from lightning_ndclip.mesh import ParallelDims, ParallelMeshes
-from lightning_ndclip.metrics import GlobalMeanLoss
 from lightning_ndclip.norm import GradNorms, clip_grad_norm_, clip_grads_with_norm_, get_total_norm, grad_norms
 from lightning_ndclip.plan import NormPlanError
 from lightning_ndclip.reduce import sum_allreduce_hook, use_sum_reduction
-from lightning_ndclip.strategy import NDParallelStrategy
 
-__version__ = "0.1.0.dev0"
+try:  # the Lightning integration (importing the strategy registers strategy="nd_parallel")
+    from lightning_ndclip.callbacks import GlobalNormClip
+    from lightning_ndclip.metrics import GlobalMeanLoss
+    from lightning_ndclip.strategy import NDParallelStrategy
+except ModuleNotFoundError as missing:
+    if missing.name is None or missing.name.split(".")[0] not in ("lightning", "torchmetrics"):
+        raise
+    _missing = missing.name
+
+    def __getattr__(name: str) -> Any:
+        if name in ("GlobalNormClip", "GlobalMeanLoss", "NDParallelStrategy"):
+            raise ImportError(f"lightning_ndclip.{name} needs {_missing!r}: pip install lightning torchmetrics")
+        raise AttributeError(f"module 'lightning_ndclip' has no attribute {name!r}")
+
+
+__version__ = "0.1.0"
 
 __all__ = [
     "GlobalMeanLoss",

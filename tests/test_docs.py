@@ -75,9 +75,10 @@ def _bound_names(tree: ast.Module) -> set[str]:
 
 
 def _reexports(tree: ast.Module) -> dict[str, str]:
-    """``{name: defining module}`` for the ``from lightning_ndclip.x import name`` of ``__init__``."""
+    """``{name: defining module}`` for the ``from lightning_ndclip.x import name`` of ``__init__``
+    (including those inside ``try`` blocks)."""
     origin: dict[str, str] = {}
-    for node in tree.body:
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module is not None:
             module = node.module if node.level == 0 else f"{PACKAGE}.{node.module}"
             for alias in node.names:
