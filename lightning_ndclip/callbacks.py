@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_ndclip.norm import GradNorms, clip_grads_with_norm_, grad_norms
+from lightning_ndclip.norm import GradNorms, grad_norms
 
 __all__ = ["GlobalNormClip"]
 
@@ -180,7 +180,7 @@ class GlobalNormClip(Callback):
                 stacklevel=2,
             )
         else:
-            clip_grads_with_norm_(params, self.max_norm, total)
+            norms.clip_(self.max_norm)
         self._count(total, coef)
         if log_now:
             self._log(pl_module, norms, coef)

@@ -55,6 +55,16 @@ class GradNorms:
     total: torch.Tensor
     per_tensor: torch.Tensor | None
     names: tuple[str, ...]
+    _to_scale: tuple[torch.Tensor, ...] = field(default=(), repr=False, compare=False)
+
+    def clip_(self, max_norm: float, foreach: bool | None = None) -> torch.Tensor:
+        r"""Scale the gradients these norms were computed from by :math:`\min(1, \text{max\_norm} /
+        (\text{total} + 10^{-6}))`, as :func:`clip_grads_with_norm_` would, without reading the
+        parameters again (the gradient tensors as they were when the norms were computed; FSDP2
+        buffers as contiguous runs). Returns the coefficient, a device tensor."""
+        coef = _clip_coef(max_norm, self.total)
+        _scale_(self._to_scale, coef, foreach)
+        return coef
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         """``{name: norm}`` for every logical tensor (requires ``per_tensor``)."""
@@ -455,7 +465,7 @@ def grad_norms(
     grads = _read_grads([p for _, p in pairs])
     kept = [(n, p, g) for (n, p), g in zip(pairs, grads) if g is not None]
     params = [p for _, p, _ in kept]
-    total, per_slot, plan, _ = _global_norm(
+    total, per_slot, plan, to_scale = _global_norm(
         [g for _, _, g in kept],
         [n for n, _, _ in kept],
         _tie_keys(params, tied_parameters, "parameters"),
@@ -466,4 +476,4 @@ def grad_norms(
         group=process_group,
         accumulate_dtype=accumulate_dtype,
     )
-    return GradNorms(total=total, per_tensor=per_slot, names=plan.slot_names)
+    return GradNorms(total=total, per_tensor=per_slot, names=plan.slot_names, _to_scale=tuple(to_scale))

@@ -108,3 +108,24 @@ def test_clip_grads_with_norm_scales_buffer_views_exactly_and_leaves_padding_alo
     nd.clip_grads_with_norm_(params, 0.5, total)  # the cached grouping, re-validated
     assert all(torch.equal(p.grad, e) for p, e in zip(params, expected))
     assert torch.isnan(buffer).sum() == 5
+
+
+def test_grad_norms_clip_scales_what_it_normed_like_clip_grads_with_norm_():
+    import lightning_ndclip as nd
+
+    grads = {}
+    for way in ("clip_", "clip_grads_with_norm_"):
+        torch.manual_seed(0)  # the same gradients both ways
+        buffer, views = _fsdp_like([6, 4, 10, 8], [0, 3, 0, 2])
+        params = [torch.nn.Parameter(torch.zeros_like(v)) for v in views]
+        for p, v in zip(params, views):
+            p.grad = v
+        norms = nd.grad_norms([(f"p{i}", p) for i, p in enumerate(params)], per_tensor=False)
+        if way == "clip_":
+            coef = norms.clip_(0.5)
+            assert float(coef) < 1
+        else:
+            nd.clip_grads_with_norm_(params, 0.5, norms.total)
+        grads[way] = [p.grad.clone() for p in params]
+        assert torch.isnan(buffer).sum() == 5  # the padding between the views is never scaled
+    assert all(torch.equal(a, b) for a, b in zip(grads["clip_"], grads["clip_grads_with_norm_"]))
