@@ -12,15 +12,13 @@ import argparse
 import gc
 import json
 import math
-import os
-import socket
 import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _common import spawn_and_report  # benchmarks/_common.py
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -308,19 +306,7 @@ def main() -> None:
     args = p.parse_args()
     if "fsdp_tp" in args.layouts and args.world_size % 2:
         p.error("fsdp_tp needs an even --world-size")
-    RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"norm_{args.world_size}ranks"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    t0 = time.perf_counter()
-    mp.spawn(worker, args=(args, port, f"{stem}.json"), nprocs=args.world_size, join=True)
-    data = json.loads(Path(f"{stem}.json").read_text())
-    write_markdown(data, Path(f"{stem}.md"))
-    write_plot(data, Path(f"{stem}.png"))
-    print(Path(f"{stem}.md").read_text())
-    print(f"total {time.perf_counter() - t0:.0f} s; wrote {stem}.md/.png/.json")
+    spawn_and_report(worker, args, RESULTS / f"norm_{args.world_size}ranks", write_markdown, write_plot)
 
 
 if __name__ == "__main__":

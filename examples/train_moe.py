@@ -23,12 +23,12 @@ dense weights are sharded over all data ranks. ``GlobalNormClip(expert_pattern=.
 from __future__ import annotations
 
 import argparse
-import os
 import warnings
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+from _common import add_launch_args, print_summary, share_cpu_threads  # examples/_common.py
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -143,9 +143,7 @@ class LitMoE(L.LightningModule):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--accelerator", default="cpu")
-    p.add_argument("--devices", type=int, default=4)
-    p.add_argument("--num-nodes", type=int, default=1)
+    add_launch_args(p)
     p.add_argument("--dp-shard", type=int, default=-1)
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--experts", type=int, default=4)
@@ -160,13 +158,10 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--max-norm", type=float, default=1.0)
     p.add_argument("--log-every-n-steps", type=int, default=5)
-    p.add_argument("--logdir", default="runs")
     args = p.parse_args()
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    if args.accelerator == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # Lightning sets it on rank 0 only
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))  # the ranks share the cores
+    share_cpu_threads(args.accelerator, args.devices)
 
     strategy = NDParallelStrategy(dp_shard=args.dp_shard, ep=args.ep, loss_normalization="token_mean")
     clip = GlobalNormClip(args.max_norm, expert_pattern=EXPERT_PATTERN)
@@ -178,12 +173,7 @@ def main() -> None:
     )
     L.seed_everything(0, verbose=False)  # the same initial weights on every rank and for every layout
     trainer.fit(LitMoE(args))
-    if trainer.is_global_zero:
-        m = trainer.callback_metrics
-        print(f"TensorBoard logs: {logger.log_dir}  (tensorboard --logdir {args.logdir})")
-        print(f"summary: final loss {float(m['train/loss']):.4f}, last grad norm {float(m['grad_norm/total']):.4f}, "
-              f"clip rate {clip.clip_rate:.2f} ({clip.clipped_steps}/{clip.seen_steps} steps clipped), "
-              f"skipped steps {clip.skipped_steps}")
+    print_summary(trainer, logger, clip, args.logdir)
 
 
 if __name__ == "__main__":
