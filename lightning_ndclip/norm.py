@@ -23,7 +23,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from lightning_ndclip.runs import RunFinder
 
 __all__ = ["GradNorms", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norms"]
 
+T = TypeVar("T")
 _EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_
 _MAX_CACHED_PLANS = 16
 
@@ -136,10 +137,11 @@ def _cached_plan(
     return entry
 
 
-def _by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
+def _by_device_and_dtype(items: Iterable[T], tensors: Iterable[torch.Tensor]) -> dict[tuple, list[T]]:
+    """``items`` grouped by the (device, dtype) of the matching ``tensors``, in order within a group."""
+    groups: dict[tuple, list[T]] = {}
+    for item, t in zip(items, tensors):
+        groups.setdefault((t.device, t.dtype), []).append(item)
     return groups
 
 
@@ -151,13 +153,19 @@ def _use_foreach(foreach: bool | None, device: torch.device) -> bool:
 
 
 def _norms(tensors: list[torch.Tensor], norm_type: float, dtype: torch.dtype, foreach: bool | None) -> list[torch.Tensor]:
-    """Per-tensor norms, computed in ``dtype`` (no tensor is empty)."""
-    out: list[torch.Tensor] = []
-    for (device, _), group in _by_device_and_dtype(tensors).items():
+    """Per-tensor norms, computed in ``dtype``, in the order of ``tensors`` (none is empty)."""
+    groups = _by_device_and_dtype(range(len(tensors)), tensors)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    for (device, _), indices in groups.items():
+        group = [tensors[i] for i in indices] if len(groups) > 1 else tensors
         if _use_foreach(foreach, device):
-            out.extend(torch._foreach_norm(group, norm_type, dtype=dtype))
+            norms = list(torch._foreach_norm(group, norm_type, dtype=dtype))
         else:
-            out.extend(torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in group)
+            norms = [torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in group]
+        if len(groups) == 1:
+            return norms
+        for i, n in zip(indices, norms):
+            out[i] = n
     return out
 
 
@@ -333,7 +341,7 @@ def get_total_norm(
 
 
 def _scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool | None) -> None:
-    for (device, _), group in _by_device_and_dtype(tensors).items():
+    for (device, _), group in _by_device_and_dtype(tensors, tensors).items():
         c = coef.to(device)
         if _use_foreach(foreach, device):
             torch._foreach_mul_(group, c)
