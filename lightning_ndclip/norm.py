@@ -152,21 +152,27 @@ def _use_foreach(foreach: bool | None, device: torch.device) -> bool:
     return supported if foreach is None else foreach
 
 
-def _norms(tensors: list[torch.Tensor], norm_type: float, dtype: torch.dtype, foreach: bool | None) -> list[torch.Tensor]:
-    """Per-tensor norms, computed in ``dtype``, in the order of ``tensors`` (none is empty)."""
+def _stacked_norms(
+    tensors: Sequence[torch.Tensor], norm_type: float, dtype: torch.dtype, foreach: bool | None, device: torch.device
+) -> torch.Tensor:
+    """Per-tensor norms computed in ``dtype``, in the order of ``tensors`` (none is empty), as one
+    float64 tensor on ``device`` (one copy per device and dtype group, not one per tensor)."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64, device=device)
     groups = _by_device_and_dtype(range(len(tensors)), tensors)
-    out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
-    for (device, _), indices in groups.items():
-        group = [tensors[i] for i in indices] if len(groups) > 1 else tensors
-        if _use_foreach(foreach, device):
+    parts, order = [], []
+    for (group_device, _), indices in groups.items():
+        group = list(tensors) if len(groups) == 1 else [tensors[i] for i in indices]
+        if _use_foreach(foreach, group_device):
             norms = list(torch._foreach_norm(group, norm_type, dtype=dtype))
         else:
             norms = [torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in group]
-        if len(groups) == 1:
-            return norms
-        for i, n in zip(indices, norms):
-            out[i] = n
-    return out
+        parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
+        order.extend(indices)
+    if len(parts) == 1:
+        return parts[0]
+    stacked = torch.cat(parts)
+    return torch.empty_like(stacked).index_copy_(0, torch.tensor(order, device=device), stacked)
 
 
 def _collective_device(group: dist.ProcessGroup | None, like: torch.device) -> torch.device:
@@ -208,21 +214,19 @@ def _global_norm(
     if plan.needs_collective:
         device = _collective_device(plan.group, device)
 
-    def powers(norms: list[torch.Tensor]) -> torch.Tensor:
-        if not norms:
-            return torch.zeros(0, dtype=torch.float64, device=device)
-        stacked = torch.stack([n if n.device == device else n.to(device) for n in norms]).to(torch.float64)
-        return stacked if is_inf else stacked.pow(norm_type)
+    def powers(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        norms = _stacked_norms(tensors, norm_type, acc, foreach, device)
+        return norms if is_inf else norms.pow(norm_type)
 
     per_slot = None
     if per_tensor:
         present = [i for i, t in enumerate(locals_) if plan.counted[i] and t.numel() > 0]
         index = entry.constant(tuple(present), device, torch.long, lambda: [plan.slots[i] for i in present])
         per_slot = torch.zeros(len(plan.slot_names), dtype=torch.float64, device=device)
-        per_slot.index_copy_(0, index, powers(_norms([locals_[i] for i in present], norm_type, acc, foreach)))
+        per_slot.index_copy_(0, index, powers([locals_[i] for i in present]))
         local = _combine(per_slot, is_inf)
     else:
-        local = _combine(powers(_norms(runs.to_norm, norm_type, acc, foreach)), is_inf)
+        local = _combine(powers(runs.to_norm), is_inf)
 
     if plan.needs_collective:
         f, n = float(plan.fingerprint), dist.get_world_size(plan.group)

@@ -114,9 +114,13 @@ class RunFinder:
         if not self._groups:
             return []
         maybe_bases = [locals_[g.head]._base for g in self._groups]
-        for g, b in zip(self._groups, maybe_bases):
-            if b is None or b.numel() != g.numel or b.dtype != g.dtype or not b.is_contiguous():
-                return None
+        if not all(
+            [
+                b is not None and b.numel() == g.numel and b.dtype == g.dtype and b.is_contiguous()
+                for g, b in zip(self._groups, maybe_bases)
+            ]
+        ):
+            return None
         bases = cast("list[torch.Tensor]", maybe_bases)
         base_ptrs = [b.data_ptr() for b in bases]
         ptrs = [t.data_ptr() if t.is_contiguous() else -1 for t in self._pick_members(locals_)]
