@@ -162,9 +162,8 @@ class GlobalNormClip(Callback):
             kwargs["tied_parameters"] = getattr(trainer.strategy, "tied_parameters", None)
         norms = grad_norms(named, self.norm_type, per_tensor=per_tensor, **kwargs)
         total = norms.total
-        coef = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
-
         if self.nonfinite != "clip" and not bool(torch.isfinite(total)):
+            coef = norms.clip_coef(self.max_norm)
             if self.nonfinite == "raise":
                 raise RuntimeError(
                     f"GlobalNormClip: the global gradient norm is {float(total)} at step "
@@ -180,7 +179,7 @@ class GlobalNormClip(Callback):
                 stacklevel=2,
             )
         else:
-            norms.clip_(self.max_norm)
+            coef = norms.clip_(self.max_norm)
         self._count(total, coef)
         if log_now:
             self._log(pl_module, norms, coef)

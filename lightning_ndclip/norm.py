@@ -58,12 +58,17 @@ class GradNorms:
     names: tuple[str, ...]
     _to_scale: tuple[torch.Tensor, ...] = field(default=(), repr=False, compare=False)
 
+    def clip_coef(self, max_norm: float) -> torch.Tensor:
+        r"""The clip coefficient :math:`\min(1, \text{max\_norm} / (\text{total} + 10^{-6}))`, a
+        device tensor (``nan`` when the total is)."""
+        return _clip_coef(max_norm, self.total)
+
     def clip_(self, max_norm: float, foreach: bool | None = None) -> torch.Tensor:
         r"""Scale the gradients these norms were computed from by :math:`\min(1, \text{max\_norm} /
         (\text{total} + 10^{-6}))`, as :func:`clip_grads_with_norm_` would, without reading the
         parameters again (the gradient tensors as they were when the norms were computed; FSDP2
         buffers as contiguous runs). Returns the coefficient, a device tensor."""
-        coef = _clip_coef(max_norm, self.total)
+        coef = self.clip_coef(max_norm)
         _scale_(self._to_scale, coef, foreach)
         return coef
 
