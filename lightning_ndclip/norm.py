@@ -37,6 +37,7 @@ from lightning_ndclip.runs import RunFinder
 __all__ = ["GradNorms", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norms"]
 
 T = TypeVar("T")
+V = TypeVar("V")
 _EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_
 _MAX_CACHED_PLANS = 16
 
@@ -123,22 +124,34 @@ def _cached_plan(
         id(pp_mesh),
         id(group),
     )
-    entry = _plans.get(key)
-    if entry is not None:
-        _plans.move_to_end(key)
-        return entry
-    plan = build_plan(
-        grads,
-        [f"tensor[{i}]" for i in range(len(grads))] if names is None else names,
-        [None] * len(grads) if tie_keys is None else tie_keys,
-        pp_mesh=pp_mesh,
-        group=group,
-    )
-    specs = tuple(g._spec for g in grads if isinstance(g, DTensor))
-    entry = _CachedPlan(plan, keep_alive=(specs, pp_mesh, group))
-    _plans[key] = entry
-    while len(_plans) > _MAX_CACHED_PLANS:
-        _plans.popitem(last=False)
+
+    def make() -> _CachedPlan:
+        plan = build_plan(
+            grads,
+            [f"tensor[{i}]" for i in range(len(grads))] if names is None else names,
+            [None] * len(grads) if tie_keys is None else tie_keys,
+            pp_mesh=pp_mesh,
+            group=group,
+        )
+        return _CachedPlan(plan, keep_alive=(_specs(grads), pp_mesh, group))
+
+    return _lru_get(_plans, key, make)
+
+
+def _specs(tensors: Sequence[torch.Tensor]) -> tuple:
+    """The DTensor specs whose ids a layout key holds: a cache entry keeps them alive."""
+    return tuple(t._spec for t in tensors if isinstance(t, DTensor))
+
+
+def _lru_get(cache: OrderedDict[tuple, V], key: tuple, make: Callable[[], V]) -> V:
+    """``cache[key]``, made on a miss; the least recently used entries beyond the limit are dropped."""
+    entry = cache.get(key)
+    if entry is None:
+        entry = cache[key] = make()
+        while len(cache) > _MAX_CACHED_PLANS:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
     return entry
 
 
@@ -361,15 +374,8 @@ def _scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool |
 
 def _scale_runs(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The contiguous runs covering every local element of ``grads`` (see :mod:`lightning_ndclip.runs`)."""
-    key = _layout_key(grads)
-    entry = _scale_finders.get(key)
-    if entry is None:
-        entry = _scale_finders[key] = (RunFinder(), tuple(g._spec for g in grads if isinstance(g, DTensor)))
-        while len(_scale_finders) > _MAX_CACHED_PLANS:
-            _scale_finders.popitem(last=False)
-    else:
-        _scale_finders.move_to_end(key)
-    return entry[0].runs(_locals(grads), [True] * len(grads)).to_scale
+    finder, _ = _lru_get(_scale_finders, _layout_key(grads), lambda: (RunFinder(), _specs(grads)))
+    return finder.runs(_locals(grads), [True] * len(grads)).to_scale
 
 
 def _clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
