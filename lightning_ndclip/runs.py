@@ -35,9 +35,7 @@ class _Group:
     dtype: torch.dtype
     norm_runs: tuple[tuple[int, int], ...]  # [start, end) element offsets inside the buffer
     scale_runs: tuple[tuple[int, int], ...]
-
-    def whole(self, runs: tuple[tuple[int, int], ...]) -> bool:
-        return runs == ((0, self.numel),)
+    tiles_buffer: bool  # the members cover the whole buffer: scale (and norm) the buffer itself
 
 
 @dataclass(frozen=True)
@@ -93,7 +91,7 @@ class RunFinder:
         to_norm: list[torch.Tensor] = []
         to_scale: list[torch.Tensor] = []
         for group, base in zip(self._groups, bases):
-            if group.whole(group.scale_runs):
+            if group.tiles_buffer:
                 to_scale.append(base)
             else:
                 to_scale.extend([_piece(base, a, b) for a, b in group.scale_runs])
@@ -163,13 +161,15 @@ class RunFinder:
             self._group_of.extend([len(groups)] * len(members))
             self._byte_offsets.extend([(int(locals_[m].storage_offset()) - origin) * base.element_size() for m in members])
             members_all.extend(members)
+            numel, scale_runs = int(base.numel()), _spans(members, locals_, origin)
             groups.append(
                 _Group(
                     head=members[0],
-                    numel=int(base.numel()),
+                    numel=numel,
                     dtype=base.dtype,
                     norm_runs=_spans([m for m in members if counted[m]], locals_, origin),
-                    scale_runs=_spans(members, locals_, origin),
+                    scale_runs=scale_runs,
+                    tiles_buffer=scale_runs == ((0, numel),),
                 )
             )
         self._groups = tuple(groups)
