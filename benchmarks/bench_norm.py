@@ -27,6 +27,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import lightning_ndclip as nd
+from lightning_ndclip.layout import dim0_padding
 from lightning_ndclip.runs import RunFinder
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -106,7 +107,7 @@ def count_runs(params: list[nn.Parameter]) -> tuple[int, int]:
             counted = list(plan.counted)
     except Exception:  # noqa: BLE001
         pass
-    runs = RunFinder().runs(locals_, counted)
+    runs = RunFinder().runs(locals_, counted, [dim0_padding(p.grad) for p in params])
     return len(runs.to_norm), len(runs.to_scale)
 
 

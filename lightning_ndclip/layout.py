@@ -69,6 +69,28 @@ def mesh_ranks(mesh: DeviceMesh, cache: dict[int, tuple[int, ...]] | None = None
     return ranks
 
 
+def dim0_padding(tensor: torch.Tensor) -> int:
+    """How many elements of padding follow this rank's local piece of ``tensor`` when its dim 0 is
+    split into equal padded chunks, as FSDP2 lays out the sharded gradients of a unit in one buffer.
+
+    Non-zero only for a DTensor whose dim 0 is split by a single plain ``Shard(0)`` (other mesh dims
+    ``Replicate`` or sharding other dims) and whose local chunk is short but not empty:
+    ``(ceil(D / W) - rows) * row_numel`` for global dim-0 size ``D`` over ``W`` ranks.
+    """
+    if not isinstance(tensor, DTensor):
+        return 0
+    spec = tensor._spec
+    on_dim0 = [d for d, p in enumerate(spec.placements) if isinstance(p, (Shard, _StridedShard)) and p.dim == 0]
+    if len(on_dim0) != 1 or type(spec.placements[on_dim0[0]]) is not Shard:
+        return 0
+    local = tensor._local_tensor
+    rows = local.shape[0] if local.dim() else 0
+    padded_rows = -(-spec.shape[0] // spec.mesh.size(on_dim0[0]))
+    if rows == 0 or rows >= padded_rows:
+        return 0
+    return (padded_rows - rows) * (local.numel() // rows)
+
+
 def describe(
     tensor: torch.Tensor, name: str, rank: int, mesh_cache: dict[int, tuple[int, ...]] | None = None
 ) -> TensorLayout:

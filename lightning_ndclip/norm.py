@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _device_has_foreach_support
 
+from lightning_ndclip.layout import dim0_padding
 from lightning_ndclip.plan import NormPlan, build_plan
 from lightning_ndclip.runs import RunFinder
 
@@ -84,6 +85,7 @@ class GradNorms:
 class _CachedPlan:
     plan: NormPlan
     keep_alive: tuple
+    padding: tuple[int, ...]  # per tensor, FSDP padding after its local piece (see runs.py)
     finder: RunFinder = field(default_factory=RunFinder)
     constants: dict = field(default_factory=dict)  # device tensors made once (no per-call copies)
 
@@ -96,8 +98,8 @@ class _CachedPlan:
 
 
 _plans: OrderedDict[tuple, _CachedPlan] = OrderedDict()
-# for clip_grads_with_norm_, by layout; each keeps the specs its key holds the ids of alive
-_scale_finders: OrderedDict[tuple, tuple[RunFinder, tuple]] = OrderedDict()
+# for clip_grads_with_norm_, by layout: a finder, the padding and the specs whose ids the key holds
+_scale_finders: OrderedDict[tuple, tuple[RunFinder, tuple[int, ...], tuple]] = OrderedDict()
 
 
 def _locals(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -133,9 +135,13 @@ def _cached_plan(
             pp_mesh=pp_mesh,
             group=group,
         )
-        return _CachedPlan(plan, keep_alive=(_specs(grads), pp_mesh, group))
+        return _CachedPlan(plan, keep_alive=(_specs(grads), pp_mesh, group), padding=_padding(grads))
 
     return _lru_get(_plans, key, make)
+
+
+def _padding(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(dim0_padding(t) for t in tensors)
 
 
 def _specs(tensors: Sequence[torch.Tensor]) -> tuple:
@@ -226,7 +232,7 @@ def _global_norm(
     entry = _cached_plan(grads, names, tie_keys, pp_mesh, group)
     plan = entry.plan
     locals_ = _locals(grads)
-    runs = entry.finder.runs(locals_, plan.counted)
+    runs = entry.finder.runs(locals_, plan.counted, entry.padding)
     acc = accumulate_dtype or plan.accumulate_dtype
     device = locals_[0].device if locals_ else torch.device("cpu")
     if plan.needs_collective:
@@ -374,8 +380,10 @@ def _scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool |
 
 def _scale_runs(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The contiguous runs covering every local element of ``grads`` (see :mod:`lightning_ndclip.runs`)."""
-    finder, _ = _lru_get(_scale_finders, _layout_key(grads), lambda: (RunFinder(), _specs(grads)))
-    return finder.runs(_locals(grads), [True] * len(grads)).to_scale
+    finder, padding, _ = _lru_get(
+        _scale_finders, _layout_key(grads), lambda: (RunFinder(), _padding(grads), _specs(grads))
+    )
+    return finder.runs(_locals(grads), [True] * len(grads), padding).to_scale
 
 
 def _clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:

@@ -7,9 +7,13 @@ stretches exactly:
 
 * contiguous views of one contiguous base, laid end to end with no gap and no overlap, form a run;
   when they tile the whole base, the run is the base itself;
-* a run never crosses a gap (FSDP pads uneven shards) or a change of the counted flag (a
-  tensor-parallel ``Replicate`` parameter inside a unit of ``Shard`` ones), so norming a run equals
-  norming its members, and scaling a run touches no byte that is not a gradient;
+* a run to norm never crosses a gap or a change of the counted flag (a tensor-parallel
+  ``Replicate`` parameter inside a unit of ``Shard`` ones), so norming a run equals norming its
+  members, whatever the gaps hold;
+* a run to scale crosses a gap only when the caller declares it padding of the tensor before it
+  (FSDP2 pads uneven dim-0 shards; see :func:`lightning_ndclip.layout.dim0_padding`) and the gap
+  has exactly that size: no other tensor lives there and nothing reads it, so scaling it is harmless.
+  Other gaps are never written;
 * anything else (plain tensors, overlapping or non-contiguous views) is its own run.
 
 The grouping is cached. Each call re-validates it from addresses: every grouped tensor must still be
@@ -46,13 +50,23 @@ class Runs:
     to_scale: list[torch.Tensor]
 
 
-def _spans(members: list[int], locals_: Sequence[torch.Tensor], origin: int) -> tuple[tuple[int, int], ...]:
+def _spans(
+    members: list[int],
+    locals_: Sequence[torch.Tensor],
+    origin: int,
+    padding: Sequence[int] | None = None,
+    buffer_numel: int = 0,
+) -> tuple[tuple[int, int], ...]:
     """Maximal ``[start, end)`` spans (relative to ``origin``) covered by adjacent ``members``,
-    which are sorted by storage offset."""
+    which are sorted by storage offset. With ``padding``, a member also covers the padding declared
+    after it when that padding ends exactly where the next member (or the buffer) starts."""
+    starts = [int(locals_[m].storage_offset()) - origin for m in members] + [buffer_numel]
     spans: list[tuple[int, int]] = []
-    for m in members:
-        start = int(locals_[m].storage_offset()) - origin
+    for k, m in enumerate(members):
+        start = starts[k]
         end = start + int(locals_[m].numel())
+        if padding and padding[m] and end + padding[m] == starts[k + 1]:
+            end = starts[k + 1]
         if spans and spans[-1][1] == start:
             spans[-1] = (spans[-1][0], end)
         else:
@@ -80,14 +94,20 @@ class RunFinder:
         self._byte_offsets: list[int] = []  # and its byte offset inside the group's buffer
         self._base_ptrs: list[int] = []  # the buffers' addresses at the last successful check
         self._ptrs: list[int] = []  # the members' addresses then
+        self._bases_are_runs = False  # every tensor is in a group that tiles its buffer and is counted
 
-    def runs(self, locals_: Sequence[torch.Tensor], counted: Sequence[bool]) -> Runs:
+    def runs(
+        self, locals_: Sequence[torch.Tensor], counted: Sequence[bool], padding: Sequence[int] | None = None
+    ) -> Runs:
         """Split ``locals_`` into runs; ``counted`` marks the tensors whose elements this rank adds
-        to the norm (it must not change between calls of one finder)."""
+        to the norm, ``padding`` the number of padding elements after each tensor that scaling may
+        cover (neither may change between calls of one finder)."""
         bases = self._validated_bases(locals_)
         if bases is None:
-            self._rebuild(locals_, counted)
+            self._rebuild(locals_, counted, padding)
             bases = [_buffer(locals_[g.head]) for g in self._groups]
+        if self._bases_are_runs:
+            return Runs(bases, bases)
         to_norm: list[torch.Tensor] = []
         to_scale: list[torch.Tensor] = []
         for group, base in zip(self._groups, bases):
@@ -121,7 +141,10 @@ class RunFinder:
             return None
         bases = cast("list[torch.Tensor]", maybe_bases)
         base_ptrs = [b.data_ptr() for b in bases]
-        ptrs = [t.data_ptr() if t.is_contiguous() else -1 for t in self._pick_members(locals_)]
+        members = self._pick_members(locals_)
+        if not all(map(torch.Tensor.is_contiguous, members)):
+            return None
+        ptrs = list(map(torch.Tensor.data_ptr, members))
         if base_ptrs != self._base_ptrs or ptrs != self._ptrs:
             expected = [base_ptrs[g] + off for g, off in zip(self._group_of, self._byte_offsets)]
             if ptrs != expected:
@@ -129,7 +152,9 @@ class RunFinder:
             self._base_ptrs, self._ptrs = base_ptrs, ptrs
         return bases
 
-    def _rebuild(self, locals_: Sequence[torch.Tensor], counted: Sequence[bool]) -> None:
+    def _rebuild(
+        self, locals_: Sequence[torch.Tensor], counted: Sequence[bool], padding: Sequence[int] | None
+    ) -> None:
         by_base: dict[int, list[int]] = {}
         singles: list[int] = []
         for i, t in enumerate(locals_):
@@ -161,7 +186,8 @@ class RunFinder:
             self._group_of.extend([len(groups)] * len(members))
             self._byte_offsets.extend([(int(locals_[m].storage_offset()) - origin) * base.element_size() for m in members])
             members_all.extend(members)
-            numel, scale_runs = int(base.numel()), _spans(members, locals_, origin)
+            numel = int(base.numel())
+            scale_runs = _spans(members, locals_, origin, padding, numel)
             groups.append(
                 _Group(
                     head=members[0],
@@ -178,3 +204,4 @@ class RunFinder:
         # every group has two members or more, so the getter always returns a tuple
         self._pick_members = operator.itemgetter(*members_all) if members_all else operator.itemgetter(0, 0)
         self._base_ptrs, self._ptrs = [], []
+        self._bases_are_runs = not singles and all(g.tiles_buffer and g.norm_runs == g.scale_runs for g in groups)

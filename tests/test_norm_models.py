@@ -143,6 +143,50 @@ def test_no_clip_leaves_gradients_bit_for_bit():
     run_on_ranks(4, _clip_case, 2.0)
 
 
+def _uneven_fsdp_case(exclude: str | None):
+    """dp_shard=4 over layers of 5 rows: FSDP pads rank 2's one-row chunks, rank 3 holds none.
+    Clips every gradient but ``exclude``'s; returns this rank's (runs to scale, runs to norm)."""
+    norm_module._plans.clear()
+
+    def model_fn() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 5), nn.ReLU(), nn.Linear(5, 5), nn.ReLU(), nn.Linear(5, 5)).double()
+
+    reference = _reference_grads(model_fn(), 4)
+    model = model_fn()
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
+    fully_shard(model, mesh=mesh)  # one unit: every gradient is a view of one buffer
+    x, y = _batch()
+    rank = mesh.get_local_rank()
+    nn.functional.mse_loss(model(x.chunk(4)[rank]), y.chunk(4)[rank]).backward()
+    before = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+    clipped = [(n, p) for n, p in model.named_parameters() if n != exclude]
+    ref_norm = reference_norm([reference[n] for n, _ in clipped], 2.0)
+    norms = nd.grad_norms(clipped, per_tensor=False)
+    assert_close(norms.total, ref_norm)
+    max_norm = 0.25 * float(ref_norm)
+    norms.clip_(max_norm)
+    coef = max_norm / (float(ref_norm) + 1e-6)
+    for name, p in model.named_parameters():
+        if name == exclude:
+            assert torch.equal(p.grad.to_local(), before[name]), f"{name} was not clipped but changed"
+        assert torch.allclose(p.grad.full_tensor(), reference[name] * (1.0 if name == exclude else coef), rtol=1e-12)
+    locals_ = [p.grad.to_local() for _, p in clipped]
+    padding = [norm_module.dim0_padding(p.grad) for _, p in clipped]
+    return len(norms._to_scale), len(RunFinder().runs(locals_, [True] * len(locals_), None).to_norm), padding[0]
+
+
+def test_fsdp_padding_joins_scale_runs_and_other_gaps_are_left_alone():
+    runs = run_on_ranks(4, _uneven_fsdp_case, None)
+    # rank 2 holds 1 of the 2 padded rows of every tensor: one scale run over the padded buffer,
+    # six norm runs (one per tensor); its first weight is followed by one padding row of 16
+    assert runs[2] == (1, 6, 16)
+    assert [r[:2] for r in runs[:2]] == [(1, 1), (1, 1)] and runs[3][:2] == (0, 0)
+    # an unclipped gradient between two clipped ones is a gap larger than the padding: not written
+    runs = run_on_ranks(4, _uneven_fsdp_case, "0.bias")
+    assert runs[2][0] == 2
+
+
 class _TiedLM(nn.Module):
     """Embedding -> two blocks -> output projection tied to the embedding (stage 0 | stage 1)."""
 

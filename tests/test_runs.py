@@ -25,10 +25,13 @@ def _fsdp_like(sizes: list[int], gaps: list[int], fill: float = math.nan) -> tup
     return buffer, views
 
 
-def _check(finder: RunFinder, views: list[torch.Tensor], counted: list[bool]) -> tuple[list, list]:
-    runs = finder.runs(views, counted)
+def _check(
+    finder: RunFinder, views: list[torch.Tensor], counted: list[bool], padding: list[int] | None = None
+) -> tuple[list, list]:
+    runs = finder.runs(views, counted, padding)
     assert torch.equal(_elements(runs.to_norm), _elements([v for v, c in zip(views, counted) if c]))
-    assert torch.equal(_elements(runs.to_scale), _elements(views))
+    if padding is None:
+        assert torch.equal(_elements(runs.to_scale), _elements(views))
     return runs.to_norm, runs.to_scale
 
 
@@ -44,6 +47,21 @@ def test_runs_stop_at_gaps_and_scaling_leaves_padding_untouched():
     assert len(to_scale) == 2  # [v0 v1] gap [v2 v3] gap
     torch._foreach_mul_(to_scale, 0.5)
     assert torch.isnan(buffer).sum() == 5  # the padding still holds its NaNs
+
+
+def test_declared_padding_joins_the_scale_runs_only_when_its_size_matches_the_gap():
+    buffer, views = _fsdp_like([6, 4, 10, 8], [0, 3, 0, 2], fill=1.0)
+    to_norm, to_scale = _check(RunFinder(), views, [True] * 4, padding=[0, 3, 0, 2])
+    assert len(to_scale) == 1 and to_scale[0] is buffer  # padding after views 1 and 3 included
+    assert len(to_norm) == 2  # the norm never reads the padding
+    torch._foreach_mul_(to_scale, 0.5)
+    assert int((buffer == 0.5).sum()) == 5  # the padding was scaled along (harmless: nobody reads it)
+
+    buffer, views = _fsdp_like([6, 4, 10, 8], [0, 3, 0, 2], fill=1.0)
+    _, to_scale = _check(RunFinder(), views, [True] * 4, padding=[0, 2, 0, 3])  # not the gaps' sizes
+    assert len(to_scale) == 2
+    torch._foreach_mul_(to_scale, 0.5)
+    assert int((buffer == 1.0).sum()) == 5  # gaps that are not declared padding are never written
 
 
 def test_uncounted_views_split_the_norm_runs_but_not_the_scale_runs():
