@@ -111,16 +111,17 @@ def count_runs(params: list[nn.Parameter]) -> tuple[int, int]:
     return len(runs.to_norm), len(runs.to_scale)
 
 
-def agree_reps(first_call_s: float, reps: int) -> int:
-    """Repetitions fitting ``BUDGET_S`` given the slowest rank's warm-up time (same on all ranks)."""
-    t = torch.tensor([first_call_s], dtype=torch.float64)
+def agree_reps(round_s: float, n_methods: int, reps: int) -> int:
+    """Rounds fitting ``BUDGET_S`` per method given the slowest rank's time for one round."""
+    t = torch.tensor([round_s], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return max(MIN_REPS, min(reps, int(BUDGET_S / max(t.item(), 1e-9))))
+    return max(MIN_REPS, min(reps, int(BUDGET_S * n_methods / max(t.item(), 1e-9))))
 
 
-def time_fn(fn, reps: int, warmup: int = 2) -> dict:
-    """Median ms per call (barrier before each call), collectives per call, seconds taken by the
-    first call (one-time setup: ndclip's plan, DTensor's sharding propagation), or the error raised."""
+def warm_up(fn, warmup: int = 2) -> tuple[dict, float]:
+    """Warm-up calls, then one call under ``CommDebugMode``: (collectives per call and seconds taken
+    by the first call (one-time setup: ndclip's plan, DTensor's sharding propagation), or the error
+    raised on any rank; seconds of the last warm-up call)."""
     dist.barrier()
     try:
         for k in range(warmup):
@@ -136,23 +137,37 @@ def time_fn(fn, reps: int, warmup: int = 2) -> dict:
     dist.all_gather_object(errs, err)
     if any(errs):
         error, detail = next(e for e in errs if e)
-        return {"error": error, "detail": detail}
+        return {"error": error, "detail": detail}, 0.0
     with CommDebugMode() as comm:
         fn()
-    times = []
-    n = agree_reps(last, reps)
+    return {"collectives": comm.get_total_counts(), "first_s": first_s}, last
+
+
+def time_methods(fns: dict, reps: int) -> dict[str, dict]:
+    """Every method warmed up, then timed in interleaved rounds (each round calls every working
+    method once, each call after a barrier), so that the machine's drifts hit all methods alike and
+    their ratios hold. Per method: median ms per call, collectives, first-call seconds, or the error."""
+    out, last = {}, {}
+    for name, fn in fns.items():
+        out[name], last_s = warm_up(fn)
+        if "error" not in out[name]:
+            last[name] = last_s
+    times: dict[str, list[float]] = {name: [] for name in last}
+    n = agree_reps(sum(last.values()), len(last), reps)
     gc.collect()
     gc.disable()  # as timeit does: a full collection over the model's objects is not the method's cost
     try:
         for _ in range(n):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+            for name in last:
+                dist.barrier()
+                t0 = time.perf_counter()
+                fns[name]()
+                times[name].append(time.perf_counter() - t0)
     finally:
         gc.enable()
-    return {"ms": 1e3 * statistics.median(times), "collectives": comm.get_total_counts(), "reps": len(times),
-            "first_s": first_s}
+    for name, ts in times.items():
+        out[name].update(ms=1e3 * statistics.median(ts), reps=len(ts))
+    return out
 
 
 def bench_case(layout: str, n_tensors: int, args) -> dict:
@@ -170,9 +185,18 @@ def bench_case(layout: str, n_tensors: int, args) -> dict:
     }
     if len(params) > args.torch_max_n:  # DTensor's first foreach call is O(N^2): minutes at N=10000
         methods["torch"] = methods["torchtitan"] = "skipped (--torch-max-n)"
+    flat = torch.randn(numel)
+    scalar = torch.zeros(4, dtype=torch.float64)  # latency of the one all-reduce every method needs
+    references = {
+        "floor_r": lambda: torch.linalg.vector_norm(flat),
+        "floor_rw": lambda: flat.mul_(1.0),
+        "allreduce": lambda: dist.all_reduce(scalar),
+        "flat_clip": flat_clip(flat, args.world_size),
+    }
+    timed = time_methods({**{k: f for k, f in methods.items() if callable(f)}, **references}, args.reps)
     out = {"layout": layout, "n_tensors": len(params), "local_mb": numel * 4 / 2**20, "build_s": build_s}
-    for name, fn in methods.items():
-        out[name] = time_fn(fn, args.reps) if callable(fn) else {"error": fn}
+    out.update({name: timed[name] if callable(fn) else {"error": fn} for name, fn in methods.items()})
+    out.update({name: timed[name] for name in references})
     # correctness: ndclip's norm against torch's where torch works (coef is 1.0: grads unchanged)
     ours = float(nd.clip_grad_norm_(params, max_norm=1e9))
     out["norm"] = ours
@@ -181,12 +205,6 @@ def bench_case(layout: str, n_tensors: int, args) -> dict:
         ref = float(ref.full_tensor() if isinstance(ref, DTensor) else ref)
         out["rel_err_vs_torch"] = abs(ours - ref) / max(abs(ref), 1e-30)
     out["runs_norm"], out["runs_scale"] = count_runs(params)
-    flat = torch.randn(numel)
-    out["floor_r"] = time_fn(lambda: torch.linalg.vector_norm(flat), args.reps)
-    out["floor_rw"] = time_fn(lambda: flat.mul_(1.0), args.reps)
-    scalar = torch.zeros(4, dtype=torch.float64)  # latency of the one all-reduce every method needs
-    out["allreduce"] = time_fn(lambda: dist.all_reduce(scalar), args.reps)
-    out["flat_clip"] = time_fn(flat_clip(flat, args.world_size), args.reps)
     methods.clear()  # the lambdas hold the model
     gc.collect()
     return out
