@@ -1,6 +1,6 @@
 """lightning_ndclip: exact N-D parallel gradient norms, clipping and loss normalization.
 
-The pure-PyTorch core (norm, loss, reduce, mesh, context, experts, pipeline) imports no Lightning;
+The pure-PyTorch core (norm, loss, reduce, replicas, mesh, context, experts, pipeline) imports no Lightning;
 ``GlobalNormClip``, ``NDParallelStrategy`` and ``GlobalMeanLoss`` need ``lightning`` /
 ``torchmetrics`` and are imported with the package when those are installed.
 """
@@ -19,6 +19,7 @@ from lightning_ndclip.mesh import ParallelDims, ParallelMeshes
 from lightning_ndclip.norm import GradNorms, clip_grad_norm_, clip_grads_with_norm_, get_total_norm, grad_norms
 from lightning_ndclip.plan import NormPlanError
 from lightning_ndclip.reduce import sum_allreduce_hook, use_sum_reduction
+from lightning_ndclip.replicas import broadcast_replicas_
 
 try:  # the Lightning integration (importing the strategy registers strategy="nd_parallel")
     from lightning_ndclip.callbacks import GlobalNormClip
@@ -47,6 +48,7 @@ __all__ = [
     "ParallelMeshes",
     "SampleWeights",
     "TokenCount",
+    "broadcast_replicas_",
     "clip_grad_norm_",
     "clip_grads_with_norm_",
     "count_valid_tokens",

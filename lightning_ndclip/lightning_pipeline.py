@@ -24,7 +24,14 @@ from torch import nn
 
 from lightning_ndclip.mesh import ParallelMeshes
 from lightning_ndclip.parallelize import parallelize
-from lightning_ndclip.pipeline import build_pipeline, model_units, schedule_stages, stage_units_of, tie_gradients
+from lightning_ndclip.pipeline import (
+    build_pipeline,
+    model_units,
+    schedule_stages,
+    stage_units_of,
+    sync_tied_parameters,
+    tie_gradients,
+)
 
 __all__ = ["PipelineConfig", "PipelineRunner"]
 
@@ -158,6 +165,11 @@ class PipelineRunner:
         """Zero gradients before the schedule of a window's first micro-batch runs backward."""
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
+
+    def sync_ties(self) -> None:
+        """Give every copy of a tied parameter the value of the lowest holding stage's copy."""
+        for holders, group in self._ties:
+            sync_tied_parameters(holders, group)
 
     def window_complete(self) -> None:
         """The window's gradients are complete: sum the tied copies over their stages."""

@@ -44,6 +44,7 @@ __all__ = [
     "schedule_stages",
     "split_model",
     "stage_units_of",
+    "sync_tied_parameters",
     "tie_gradients",
 ]
 
@@ -193,3 +194,14 @@ def tie_gradients(parameters: Sequence[torch.Tensor], group: dist.ProcessGroup |
             raise ValueError("tie_gradients: a tied parameter has no gradient; run the step first")
         local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
         dist.all_reduce(local, group=group)
+
+
+def sync_tied_parameters(parameters: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Give the copies of parameters tied across stages the value held by the lowest rank of
+    ``group`` (the ranks holding a copy), so the one logical parameter starts equal everywhere.
+    Works on the local shards of DTensors; call it as :func:`tie_gradients`."""
+    src = min(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    with torch.no_grad():
+        for p in parameters:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            dist.broadcast(local, src=src, group=group)

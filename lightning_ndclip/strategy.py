@@ -29,9 +29,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_ndclip.lightning_pipeline import PipelineConfig, PipelineRunner
-from lightning_ndclip.mesh import ParallelDims, ParallelMeshes
+from lightning_ndclip.mesh import MESH_DIM_NAMES, ParallelDims, ParallelMeshes
 from lightning_ndclip.parallelize import parallelize
 from lightning_ndclip.reduce import use_sum_reduction
+from lightning_ndclip.replicas import broadcast_replicas_
 from lightning_ndclip.windows import LossWindows
 
 __all__ = ["NDParallelStrategy"]
@@ -111,6 +112,11 @@ class NDParallelStrategy(ModelParallelStrategy):
         sum_reduction: make every FSDP2 gradient reduction a plain SUM after ``configure_model``
             (:func:`lightning_ndclip.use_sum_reduction`), for a ``training_step`` that normalizes its
             loss by global counts itself. Implied by ``loss_normalization``.
+        init_sync: after ``configure_model``, give every replica of every parameter and buffer the
+            value of its copy at mesh coordinate 0 (:func:`lightning_ndclip.broadcast_replicas_`;
+            tied pipeline parameters: the lowest stage's copy), as DDP does when it wraps a model.
+            ``fully_shard`` does not: without it, HSDP replicas of a model built without a common
+            seed start, and stay, different. One broadcast per process group and dtype, once.
         save_distributed_checkpoint: save one shard per rank (``True``) or a full checkpoint on rank 0.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: from the accelerator.
         timeout: process-group timeout.
@@ -140,6 +146,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         pp_module: str = "model",
         pp_tied_parameters: Sequence[Sequence[str]] = (),
         sum_reduction: bool = False,
+        init_sync: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -160,6 +167,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._sizes = sizes
         self._loss_normalization = loss_normalization
         self._sum_reduction = sum_reduction or loss_normalization is not None
+        self._init_sync = init_sync
         if tp_plan and tp == 1:
             raise ValueError("NDParallelStrategy(tp_plan=...) needs tp > 1")
         self._plan: dict[str, Any] = {
@@ -311,6 +319,11 @@ class NDParallelStrategy(ModelParallelStrategy):
                     "configure_model(), so gradients would not be reduced over the data ranks; apply "
                     "fully_shard there, or leave sum_reduction off"
                 )
+        if self._init_sync:
+            stage_ranks = self.meshes.world[tuple(n for n in MESH_DIM_NAMES if n != "pp")]
+            broadcast_replicas_(self._module, plain_mesh=stage_ranks)
+            if self._pipeline is not None:
+                self._pipeline.sync_ties()
 
     def process_dataloader(self, dataloader: object) -> object:
         if self._loss_normalization is None or self.lightning_module is None:

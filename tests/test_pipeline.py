@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import lightning_ndclip as nd
 from lightning_ndclip.experts import MoE, shard_experts
-from lightning_ndclip.pipeline import build_pipeline, model_units, split_model, tie_gradients
+from lightning_ndclip.pipeline import build_pipeline, model_units, split_model, sync_tied_parameters, tie_gradients
 
 VOCAB, WIDTH = 11, 8
 
@@ -525,3 +525,17 @@ def test_moe_in_one_pipeline_stage_matches_single_device():
         assert r["per_tensor"].keys() == r["ref_per_tensor"].keys()  # every stage's tensors, on every rank
         for name, value in r["per_tensor"].items():
             assert abs(value - r["ref_per_tensor"][name]) <= 1e-12 * r["ref_per_tensor"][name], name
+
+
+def _sync_tied_case() -> list[float]:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    torch.manual_seed(dist.get_rank())  # the two stages' copies start different
+    copy = nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+    sync_tied_parameters([copy], mesh.get_group())
+    return copy.detach().reshape(-1).tolist()
+
+
+def test_tied_copies_start_from_the_lowest_stage():
+    first, second = run_on_ranks(2, _sync_tied_case)
+    torch.manual_seed(0)
+    assert first == second == torch.randn(4, 3, dtype=torch.float64).reshape(-1).tolist()

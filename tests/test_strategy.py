@@ -339,6 +339,33 @@ def test_declarative_plan_parallelizes_a_plain_module_exactly(shape):
         assert any("Replicate()" in p for p in results[0]["placements"]), "HSDP should replicate over dp_replicate"
 
 
+def _init_sync_case(init_sync: bool) -> dict:
+    use_existing_process_group()
+    recorder = Recorder()
+    module = _PlainModule()  # seed 0: the single-device reference's weights
+    if torch.distributed.get_rank() >= 2:  # replica 1 of dp_replicate=2 x dp_shard=2 draws its own
+        torch.manual_seed(100 + torch.distributed.get_rank())
+        for p in module.parameters():
+            torch.nn.init.normal_(p)
+    strategy = NDParallelStrategy(dp_replicate=2, dp_shard=2, fsdp_units=(torch.nn.Linear,), init_sync=init_sync)
+    _trainer(strategy, devices=4, callbacks=[GlobalNormClip(0.3)], logger=recorder).fit(module)
+    return {
+        "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m],
+        "params": {n: p.detach().full_tensor() for n, p in module.net.named_parameters()},
+    }
+
+
+def test_init_sync_starts_hsdp_replicas_from_the_first_replica():
+    ref_norms, ref_params = _reference(4, max_norm=0.3)
+    for r in run_on_ranks(4, _init_sync_case, True):
+        for name, value in r["params"].items():
+            assert torch.allclose(value, ref_params[name], rtol=1e-12, atol=1e-14), name
+        assert all(abs(ours - ref) <= 1e-12 * ref for ours, ref in zip(r["norms"], ref_norms))
+    # without it, replica 1 trains from its own weights: a different model on ranks 2 and 3
+    unsynced = run_on_ranks(4, _init_sync_case, False)
+    assert all(not torch.allclose(unsynced[2]["params"][n], ref_params[n]) for n in ref_params)
+
+
 def _both_ways_case() -> str:
     use_existing_process_group()
     strategy = NDParallelStrategy(fsdp_units=(torch.nn.Linear,))

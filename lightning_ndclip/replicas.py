@@ -1,0 +1,91 @@
+"""Equal replicas from the first step: every copy of a parameter or buffer takes the value held at
+mesh coordinate 0.
+
+Data-parallel replicas must start equal, or they train different models while their gradients are
+averaged, and a global norm counted on one replica describes none of the others. DDP broadcasts
+module states from rank 0 when it wraps a model; ``fully_shard`` does not: each rank keeps its own
+chunk of what its own process drew. With ``dp_replicate > 1`` (HSDP) a model built without a
+common seed thus starts (and stays) different on every replica, silently. ``parallelize_module``
+scatters from rank 0 of the ``tp`` dim, and parameters that ``fully_shard`` cuts along a ``Shard``
+dim are disjoint pieces, not copies: only ``Replicate`` mesh dims (and plain tensors, which every
+rank of a stage holds whole) carry copies to make equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+__all__ = ["broadcast_replicas_"]
+
+
+def _source(mesh: DeviceMesh, dim: int) -> int:
+    """The global rank at coordinate 0 of mesh dim ``dim``, the other coordinates being this rank's."""
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None  # only called for meshes this rank belongs to
+    index = list(coordinate)
+    index[dim] = 0
+    return int(mesh.mesh[tuple(index)])
+
+
+def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup | None) -> None:
+    """Broadcast ``tensors`` (one dtype, one device) from global rank ``src`` in one collective."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    dist.broadcast(flat, src=src, group=group)  # group None: the default group
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def broadcast_replicas_(
+    tensors: nn.Module | Iterable[torch.Tensor], plain_mesh: DeviceMesh | None = None
+) -> int:
+    """Make every replica of ``tensors`` equal to its copy at mesh coordinate 0, in place.
+
+    A DTensor is broadcast along each of its ``Replicate`` mesh dims from coordinate 0 (its local
+    tensor; its ``Shard`` dims are left alone). A plain tensor is broadcast along every dim of
+    ``plain_mesh`` (the ranks holding the same plain copy: the world, or one pipeline stage's ranks),
+    or over the default group from rank 0 when ``plain_mesh`` is ``None``. Collective: every rank
+    holding the tensors calls it with the same tensors in the same order.
+
+    Args:
+        tensors: a module (its parameters and buffers), or tensors.
+        plain_mesh: the mesh over which plain tensors are replicated.
+
+    Returns:
+        The number of broadcasts issued: one per (group of ranks, dtype, device).
+    """
+    if isinstance(tensors, nn.Module):
+        tensors = [*tensors.parameters(), *tensors.buffers()]
+    buckets: dict[tuple, tuple[int, dist.ProcessGroup | None, list[torch.Tensor]]] = {}
+
+    def add(local: torch.Tensor, mesh: DeviceMesh | None, dim: int) -> None:
+        src, group = (0, None) if mesh is None else (_source(mesh, dim), mesh.get_group(dim))
+        # by members, not identity: equal groups may be distinct objects, and every rank must
+        # bucket alike
+        members = () if group is None else tuple(dist.get_process_group_ranks(group))
+        key = (members, src, local.dtype, local.device)
+        buckets.setdefault(key, (src, group, []))[2].append(local)
+
+    for t in tensors:
+        if isinstance(t, DTensor):
+            mesh = t.device_mesh
+            for dim, placement in enumerate(t.placements):
+                if isinstance(placement, Replicate) and mesh.size(dim) > 1 and t._local_tensor.numel():
+                    add(t._local_tensor, mesh, dim)
+        elif t.numel() and plain_mesh is None and dist.get_world_size() > 1:
+            add(t, None, 0)
+        elif t.numel() and plain_mesh is not None:
+            for dim in range(plain_mesh.ndim):
+                if plain_mesh.size(dim) > 1:
+                    add(t, plain_mesh, dim)
+    for src, group, members in buckets.values():
+        _broadcast_coalesced(members, src, group)
+    return len(buckets)
