@@ -7,8 +7,8 @@ module states from rank 0 when it wraps a model; ``fully_shard`` does not: each 
 chunk of what its own process drew. With ``dp_replicate > 1`` (HSDP) a model built without a
 common seed thus starts (and stays) different on every replica, silently. ``parallelize_module``
 scatters from rank 0 of the ``tp`` dim, and parameters that ``fully_shard`` cuts along a ``Shard``
-dim are disjoint pieces, not copies: only ``Replicate`` mesh dims (and plain tensors, which every
-rank of a stage holds whole) carry copies to make equal.
+dim are disjoint pieces, not copies: only ``Replicate`` mesh dims carry copies to make equal (and
+plain tensors, when the caller says over which ranks they are copies).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ def _source(mesh: DeviceMesh, dim: int) -> int:
     return int(mesh.mesh[tuple(index)])
 
 
-def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup | None) -> None:
+def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
     """Broadcast ``tensors`` (one dtype, one device) from global rank ``src`` in one collective."""
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    dist.broadcast(flat, src=src, group=group)  # group None: the default group
+    dist.broadcast(flat, src=src, group=group)
     offset = 0
     with torch.no_grad():
         for t in tensors:
@@ -51,27 +51,27 @@ def broadcast_replicas_(
 
     A DTensor is broadcast along each of its ``Replicate`` mesh dims from coordinate 0 (its local
     tensor; its ``Shard`` dims are left alone). A plain tensor is broadcast along every dim of
-    ``plain_mesh`` (the ranks holding the same plain copy: the world, or one pipeline stage's ranks),
-    or over the default group from rank 0 when ``plain_mesh`` is ``None``. Collective: every rank
-    holding the tensors calls it with the same tensors in the same order.
+    ``plain_mesh`` when one is given (the ranks holding the same plain copy), and left alone
+    otherwise: a plain tensor may hold rank-specific values by design (a context-parallel rank's
+    positions, experts kept as local tensors). Collective: every rank holding the tensors calls it
+    with the same tensors in the same order.
 
     Args:
         tensors: a module (its parameters and buffers), or tensors.
-        plain_mesh: the mesh over which plain tensors are replicated.
+        plain_mesh: the mesh over which plain tensors are replicated, if they are.
 
     Returns:
         The number of broadcasts issued: one per (group of ranks, dtype, device).
     """
     if isinstance(tensors, nn.Module):
         tensors = [*tensors.parameters(), *tensors.buffers()]
-    buckets: dict[tuple, tuple[int, dist.ProcessGroup | None, list[torch.Tensor]]] = {}
+    buckets: dict[tuple, tuple[int, dist.ProcessGroup, list[torch.Tensor]]] = {}
 
-    def add(local: torch.Tensor, mesh: DeviceMesh | None, dim: int) -> None:
-        src, group = (0, None) if mesh is None else (_source(mesh, dim), mesh.get_group(dim))
+    def add(local: torch.Tensor, mesh: DeviceMesh, dim: int) -> None:
+        src, group = _source(mesh, dim), mesh.get_group(dim)
         # by members, not identity: equal groups may be distinct objects, and every rank must
         # bucket alike
-        members = () if group is None else tuple(dist.get_process_group_ranks(group))
-        key = (members, src, local.dtype, local.device)
+        key = (tuple(dist.get_process_group_ranks(group)), src, local.dtype, local.device)
         buckets.setdefault(key, (src, group, []))[2].append(local)
 
     for t in tensors:
@@ -80,8 +80,6 @@ def broadcast_replicas_(
             for dim, placement in enumerate(t.placements):
                 if isinstance(placement, Replicate) and mesh.size(dim) > 1 and t._local_tensor.numel():
                     add(t._local_tensor, mesh, dim)
-        elif t.numel() and plain_mesh is None and dist.get_world_size() > 1:
-            add(t, None, 0)
         elif t.numel() and plain_mesh is not None:
             for dim in range(plain_mesh.ndim):
                 if plain_mesh.size(dim) > 1:

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_ndclip.lightning_pipeline import PipelineConfig, PipelineRunner
-from lightning_ndclip.mesh import MESH_DIM_NAMES, ParallelDims, ParallelMeshes
+from lightning_ndclip.mesh import ParallelDims, ParallelMeshes
 from lightning_ndclip.parallelize import parallelize
 from lightning_ndclip.reduce import use_sum_reduction
 from lightning_ndclip.replicas import broadcast_replicas_
@@ -112,11 +112,13 @@ class NDParallelStrategy(ModelParallelStrategy):
         sum_reduction: make every FSDP2 gradient reduction a plain SUM after ``configure_model``
             (:func:`lightning_ndclip.use_sum_reduction`), for a ``training_step`` that normalizes its
             loss by global counts itself. Implied by ``loss_normalization``.
-        init_sync: after ``configure_model``, give every replica of every parameter and buffer the
-            value of its copy at mesh coordinate 0 (:func:`lightning_ndclip.broadcast_replicas_`;
-            tied pipeline parameters: the lowest stage's copy), as DDP does when it wraps a model.
-            ``fully_shard`` does not: without it, HSDP replicas of a model built without a common
-            seed start, and stay, different. One broadcast per process group and dtype, once.
+        init_sync: after ``configure_model``, give every replica of a DTensor parameter or buffer
+            (its ``Replicate`` mesh dims) the value of its copy at mesh coordinate 0
+            (:func:`lightning_ndclip.broadcast_replicas_`), and the copies of a tied pipeline
+            parameter the lowest stage's value, as DDP does when it wraps a model. ``fully_shard``
+            does not: without it, HSDP replicas of a model built without a common seed start, and
+            stay, different. One broadcast per group of ranks and dtype, once. Plain tensors are
+            left as built.
         save_distributed_checkpoint: save one shard per rank (``True``) or a full checkpoint on rank 0.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: from the accelerator.
         timeout: process-group timeout.
@@ -320,8 +322,7 @@ class NDParallelStrategy(ModelParallelStrategy):
                     "fully_shard there, or leave sum_reduction off"
                 )
         if self._init_sync:
-            stage_ranks = self.meshes.world[tuple(n for n in MESH_DIM_NAMES if n != "pp")]
-            broadcast_replicas_(self._module, plain_mesh=stage_ranks)
+            broadcast_replicas_(self._module)
             if self._pipeline is not None:
                 self._pipeline.sync_ties()
 
