@@ -75,12 +75,15 @@ def broadcast_replicas_(
         buckets.setdefault(key, (src, group, []))[2].append(local)
 
     for t in tensors:
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        if local.numel() == 0 or local.is_meta:  # nothing to copy (meta: not materialized yet)
+            continue
         if isinstance(t, DTensor):
             mesh = t.device_mesh
             for dim, placement in enumerate(t.placements):
-                if isinstance(placement, Replicate) and mesh.size(dim) > 1 and t._local_tensor.numel():
-                    add(t._local_tensor, mesh, dim)
-        elif t.numel() and plain_mesh is not None:
+                if isinstance(placement, Replicate) and mesh.size(dim) > 1:
+                    add(local, mesh, dim)
+        elif plain_mesh is not None:
             for dim in range(plain_mesh.ndim):
                 if plain_mesh.size(dim) > 1:
                     add(t, plain_mesh, dim)
