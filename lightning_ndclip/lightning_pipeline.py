@@ -59,6 +59,10 @@ class PipelineRunner:
         self.schedule: Any = None  # a torch.distributed.pipelining schedule, once configure_model ran
         # multiplies pipeline_loss: micro-batch values -> their share of the window's loss
         self.loss_scale: float | torch.Tensor = 1.0
+        # sample_mean: per-token weights of the batch (rows like the target's); pipeline_loss then
+        # returns per-token losses and a micro-batch's loss is their weighted sum
+        self.token_weights: torch.Tensor | None = None
+        self._target: torch.Tensor | None = None  # the batch's target, indexed by the row ids the schedule splits
         self._module: Any = None  # the LightningModule (it defines pipeline_loss)
         self._ties: list[tuple[list[torch.Tensor], dist.ProcessGroup | None]] = []
         self._user_stages = False
@@ -159,7 +163,18 @@ class PipelineRunner:
         return ties or None
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self._module.pipeline_loss(output, target) * self.loss_scale
+        weights = self.token_weights
+        if weights is None or self._target is None:
+            loss = self._module.pipeline_loss(output, target)
+            return (loss if loss.dim() == 0 else loss.sum()) * self.loss_scale
+        rows = target  # the schedule split row ids, not the target: look the micro-batch's rows up
+        losses = self._module.pipeline_loss(output, self._target[rows])
+        if losses.shape != weights[rows].shape:
+            raise ValueError(
+                "with loss_normalization='sample_mean', pipeline_loss must return per-token losses shaped "
+                f"like the micro-batch's sample ids {tuple(weights[rows].shape)}, got {tuple(losses.shape)}"
+            )
+        return (losses * weights[rows].to(losses.dtype)).sum()
 
     def zero_grad(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Zero gradients before the schedule of a window's first micro-batch runs backward."""
@@ -181,8 +196,17 @@ class PipelineRunner:
         pp_mesh = self.meshes["pp"]
         rank, size = pp_mesh.get_local_rank(), pp_mesh.size()
         run = self.schedule.step if training else self.schedule.eval
-        if not training:
-            self.loss_scale = 1.0  # evaluation: the plain sum of pipeline_loss over micro-batches
+        if not training:  # evaluation: the plain sum of pipeline_loss over micro-batches
+            self.loss_scale, self.token_weights = 1.0, None
+        self._target = None
+        if self.token_weights is not None and rank == size - 1:
+            if not isinstance(target, torch.Tensor) or target.shape[0] != self.token_weights.shape[0]:
+                raise ValueError(
+                    "with loss_normalization='sample_mean', run_pipeline needs a target tensor with one row "
+                    f"per row of sample ids ({self.token_weights.shape[0]}), got "
+                    f"{tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__}"
+                )
+            self._target, target = target, torch.arange(target.shape[0], device=target.device)
         losses: list[torch.Tensor] = []
         if rank == 0:
             run(inputs, target=target if rank == size - 1 else None, losses=losses)

@@ -103,8 +103,10 @@ class NDParallelStrategy(ModelParallelStrategy):
             hook, or else with one ``fully_shard`` per stage), and ``training_step`` runs them with
             ``trainer.strategy.run_pipeline(inputs, target)``, which does forward and backward and
             returns the loss; the module defines ``pipeline_loss(output, target)``: a micro-batch's
-            mean loss, or its loss *sum* with ``loss_normalization="token_mean"``. The strategy then
-            never calls backward itself.
+            mean loss, its loss *sum* with ``loss_normalization="token_mean"``, or its per-token
+            losses with ``"sample_mean"`` (shaped like the micro-batch's rows of ``sample_ids``; the
+            target must then be a tensor with one row per row of sample ids, split by the schedule
+            like the inputs). The strategy then never calls backward itself.
         pp_tied_parameters: groups of parameter names (as in the unsplit model) that are one
             parameter held by several stages, e.g. ``[("embed.weight", "head.weight")]``: their
             gradients are summed over the holding stages after each window and counted once by
@@ -184,8 +186,6 @@ class NDParallelStrategy(ModelParallelStrategy):
                 f"pp={pp} x pp_stages_per_rank={pp_stages_per_rank} = {stages} stages need {stages - 1} "
                 f"pp_split_points, got {list(pp_split_points)}"
             )
-        if pp > 1 and loss_normalization == "sample_mean":
-            raise ValueError("loss_normalization='sample_mean' is not supported with pp > 1 yet")
         self._pp = PipelineConfig(
             split_points=tuple(pp_split_points),
             schedule=pp_schedule,
@@ -271,7 +271,7 @@ class NDParallelStrategy(ModelParallelStrategy):
 
         In training: forward and backward of every micro-batch, the loss scaled as the gradients are.
         In validation / testing (call it from ``validation_step``): forward only, and the loss is the
-        plain sum of ``pipeline_loss`` over the micro-batches."""
+        plain sum of ``pipeline_loss`` over the micro-batches (of its elements, if it is per-token)."""
         if self._pipeline is None:
             raise RuntimeError("run_pipeline needs NDParallelStrategy(pp > 1)")
         return self._pipeline.run(inputs, target, training=self._module.trainer.training)
@@ -362,8 +362,10 @@ class NDParallelStrategy(ModelParallelStrategy):
             scale, last = self._windows.window_of(batch_idx)
             self._window_scale = scale
             self._set_gradient_sync(last)
-            if pipeline is not None:  # token_mean: micro-batch loss sums / N, no Lightning division
-                pipeline.loss_scale = 1.0 / scale.to(torch.float64).clamp(min=1)
+            if pipeline is not None and self._loss_normalization == "token_mean":
+                pipeline.loss_scale = 1.0 / scale.to(torch.float64).clamp(min=1)  # loss sums / N
+            elif pipeline is not None:  # sample_mean: per-token losses x weights, no Lightning division
+                pipeline.loss_scale, pipeline.token_weights = 1.0, scale
         if pipeline is not None:
             output = super().training_step(*args, **kwargs)
             if last:

@@ -539,3 +539,69 @@ def test_tied_copies_start_from_the_lowest_stage():
     first, second = run_on_ranks(2, _sync_tied_case)
     torch.manual_seed(0)
     assert first == second == torch.randn(4, 3, dtype=torch.float64).reshape(-1).tolist()
+
+
+# --- sample_mean with pp > 1: the per-token weights travel with the schedule's row split ---
+
+
+def _halves(labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Two packed samples per row (the first 3 tokens, the last 3), numbered over the batch."""
+    rows, length = labels.shape
+    ids = torch.arange(2 * rows).repeat_interleave(length // 2).reshape(rows, length)
+    return ids, 2 * rows
+
+
+class _SampleMeanPipelinedLM(_PipelinedLM):
+    def sample_ids(self, batch):
+        ids, samples = _halves(batch[1])
+        return ids, samples, batch[1] != -100
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        per_token = nn.functional.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=-100, reduction="none")
+        return per_token.reshape(target.shape)
+
+
+def _sample_mean_reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One device: the mean over samples with a valid token of each sample's mean token loss."""
+    model = TinyLM()
+    tokens, labels = _batch()
+    ids, _ = _halves(labels)
+    valid = labels != -100
+    norms = []
+    for _ in range(steps):
+        model.zero_grad()
+        per_token = nn.functional.cross_entropy(
+            model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none"
+        ).reshape(labels.shape)
+        means = [per_token[(ids == s) & valid].mean() for s in ids.unique() if ((ids == s) & valid).any()]
+        torch.stack(means).mean().backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), PP_MAX_NORM)))
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= PP_LR * p.grad
+    return norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _sample_mean_pp_case(dp_shard: int) -> dict:
+    use_existing_process_group()
+    module = _SampleMeanPipelinedLM()
+    module.dp = dp_shard
+    strategy = nd.NDParallelStrategy(
+        pp=2, dp_shard=dp_shard, pp_split_points=["layers.2"], pp_microbatches=2, loss_normalization="sample_mean",
+        fsdp_units=(nn.Linear,) if dp_shard > 1 else (),
+    )
+    r = _fit_two_windows(module, strategy, devices=2 * dp_shard)  # a step = 2 batches x dp = every row
+    return {"params": r["params"], "norms": r["norms"]}
+
+
+@pytest.mark.parametrize("dp_shard", [1, 2], ids=["pp2", "pp2xdp2-fsdp"])
+def test_sample_mean_with_a_pipeline_matches_single_device(dp_shard):
+    ref_norms, expected = _sample_mean_reference(2)
+    token_norms, _ = _reference_steps(2)
+    assert abs(ref_norms[0] - token_norms[0]) > 1e-3 * token_norms[0], "the two means should differ here"
+    for r in run_on_ranks(2 * dp_shard, _sample_mean_pp_case, dp_shard):
+        assert len(r["norms"]) == 2
+        for ours, ref in zip(r["norms"], ref_norms):
+            assert abs(ours - ref) <= 1e-12 * ref
+        for name, value in r["params"].items():
+            assert float((value - expected[name]).norm() / expected[name].norm()) < 1e-12, name
