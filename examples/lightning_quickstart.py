@@ -72,6 +72,7 @@ def main() -> None:
         enable_checkpointing=False,
         enable_model_summary=False,
     )
+    L.seed_everything(0, verbose=False)  # reproducible: the same initial weights on every rank
     trainer.fit(Regressor())
     metrics = trainer.callback_metrics
     if trainer.is_global_zero:

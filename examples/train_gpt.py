@@ -157,6 +157,7 @@ def main() -> None:
         callbacks=[clip], logger=logger, max_steps=args.max_steps, accumulate_grad_batches=args.accumulate,
         log_every_n_steps=5, enable_checkpointing=False, enable_model_summary=False,
     )
+    L.seed_everything(0, verbose=False)  # the same initial weights on every rank and for every layout
     trainer.fit(LitGPT(args))
     print_summary(trainer, logger, clip, args.logdir)
 
