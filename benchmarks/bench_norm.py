@@ -58,27 +58,29 @@ class Unit(nn.Module):
         return x + self.net(x)
 
 
-def unit_widths(elems_per_tensor: int, world: int) -> list[int]:
+def unit_widths(elems_per_tensor: int, world: int, padded: bool = True) -> list[int]:
     """Widths such that a tensor holds ~``elems_per_tensor`` local elements on average once sharded
-    ``world`` ways. Widths are multiples of 4 except d2, odd: the 2nd linear's weight and bias
-    (dim 0 = d2) shard unevenly over the FSDP ranks, so FSDP pads them (d1, cut by TP, stays even)."""
+    ``world`` ways. Widths are multiples of 4, except d2 when ``padded``: odd, so the 2nd linear's
+    weight and bias (dim 0 = d2) shard unevenly over the FSDP ranks and FSDP pads them (d1, cut by
+    TP, stays even)."""
     f = WIDTH_FACTORS
     mean_product = sum(a * b for a, b in zip(f, f[1:] + f[:1])) / len(f)
     s = math.sqrt(2 * elems_per_tensor * world / mean_product)
-    return [4 * round(s * x / 4) + (1 if k == 2 else 0) for k, x in enumerate(f)]
+    return [4 * round(s * x / 4) + (1 if k == 2 and padded else 0) for k, x in enumerate(f)]
 
 
 def build_model(layout: str, n_tensors: int, elems_per_tensor: int, world: int) -> nn.Module:
     """A stack of ``fully_shard`` units with ~``n_tensors`` parameters, and one backward done.
 
-    ``fsdp``: 1-D mesh (dp_shard=world). ``fsdp_tp``: (dp_shard=world/2, tp=2); in every unit the first
-    two linears are Colwise/Rowwise parallel (half the linears), the others live on the dp mesh only.
+    ``fsdp``: 1-D mesh (dp_shard=world). ``fsdp_even``: the same with every width a multiple of 4
+    (no FSDP padding). ``fsdp_tp``: (dp_shard=world/2, tp=2); in every unit the first two linears
+    are Colwise/Rowwise parallel (half the linears), the others live on the dp mesh only.
     """
     torch.manual_seed(0)
-    widths = unit_widths(elems_per_tensor, world)
+    widths = unit_widths(elems_per_tensor, world, padded=layout != "fsdp_even")
     units = max(1, round(n_tensors / (2 * LINEARS_PER_UNIT)))
     model = nn.Sequential(*(Unit(widths) for _ in range(units)))
-    if layout == "fsdp":
+    if layout in ("fsdp", "fsdp_even"):
         dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     else:
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "tp"))
@@ -318,7 +320,7 @@ def main() -> None:
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--sizes", type=int, nargs="+", default=[100, 1000, 3000, 10000], help="gradient tensors")
     p.add_argument("--elems-per-tensor", type=int, default=2000, help="mean local float32 elements per tensor (fsdp)")
-    p.add_argument("--layouts", nargs="+", choices=["fsdp", "fsdp_tp"], default=["fsdp", "fsdp_tp"])
+    p.add_argument("--layouts", nargs="+", choices=["fsdp", "fsdp_even", "fsdp_tp"], default=["fsdp", "fsdp_even", "fsdp_tp"])
     p.add_argument("--reps", type=int, default=20, help="timed calls per method (fewer if slow)")
     p.add_argument("--torch-max-n", type=int, default=3000,
                    help="skip torch/torchtitan above this many tensors (their first call is O(N^2) in DTensor)")
