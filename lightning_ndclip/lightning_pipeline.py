@@ -199,14 +199,15 @@ class PipelineRunner:
         if not training:  # evaluation: the plain sum of pipeline_loss over micro-batches
             self.loss_scale, self.token_weights = 1.0, None
         self._target = None
-        if self.token_weights is not None and rank == size - 1:
+        if self.token_weights is not None:  # checked on every rank (all get the target): none is left waiting
             if not isinstance(target, torch.Tensor) or target.shape[0] != self.token_weights.shape[0]:
                 raise ValueError(
                     "with loss_normalization='sample_mean', run_pipeline needs a target tensor with one row "
                     f"per row of sample ids ({self.token_weights.shape[0]}), got "
                     f"{tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__}"
                 )
-            self._target, target = target, torch.arange(target.shape[0], device=target.device)
+            if rank == size - 1:
+                self._target, target = target, torch.arange(target.shape[0], device=target.device)
         losses: list[torch.Tensor] = []
         if rank == 0:
             run(inputs, target=target if rank == size - 1 else None, losses=losses)

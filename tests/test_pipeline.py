@@ -605,3 +605,25 @@ def test_sample_mean_with_a_pipeline_matches_single_device(dp_shard):
             assert abs(ours - ref) <= 1e-12 * ref
         for name, value in r["params"].items():
             assert float((value - expected[name]).norm() / expected[name].norm()) < 1e-12, name
+
+
+class _ShortTargetLM(_SampleMeanPipelinedLM):
+    def training_step(self, batch, batch_idx):
+        return self.trainer.strategy.run_pipeline(batch[0], batch[1][:-1])  # one row short
+
+
+def _short_target_case() -> str:
+    use_existing_process_group()
+    module = _ShortTargetLM()
+    module.dp = 1
+    strategy = nd.NDParallelStrategy(
+        pp=2, dp_shard=1, pp_split_points=["layers.2"], pp_microbatches=2, loss_normalization="sample_mean"
+    )
+    with pytest.raises(ValueError) as info:
+        _fit_two_windows(module, strategy, devices=2)
+    return str(info.value)
+
+
+def test_a_sample_mean_target_of_the_wrong_size_raises_on_every_stage():
+    for message in run_on_ranks(2, _short_target_case, timeout=60):  # a stage left waiting would time out
+        assert "one row per row of sample ids (4)" in message
