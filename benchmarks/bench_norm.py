@@ -188,7 +188,7 @@ def bench_case(layout: str, n_tensors: int, args) -> dict:
     if len(params) > args.torch_max_n:  # DTensor's first foreach call is O(N^2): minutes at N=10000
         methods["torch"] = methods["torchtitan"] = "skipped (--torch-max-n)"
     flat = torch.randn(numel)
-    scalar = torch.zeros(4, dtype=torch.float64)  # latency of the one all-reduce every method needs
+    scalar = torch.zeros(1, dtype=torch.float64)  # latency of the one all-reduce every method needs
     references = {
         "floor_r": lambda: torch.linalg.vector_norm(flat),
         "floor_rw": lambda: flat.mul_(1.0),

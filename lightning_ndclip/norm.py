@@ -212,6 +212,49 @@ def _combine(powers: torch.Tensor, is_inf: bool) -> torch.Tensor:
     return powers.amax() if is_inf else powers.sum()
 
 
+def _all_reduce(
+    local: torch.Tensor,
+    per_slot: torch.Tensor | None,
+    is_inf: bool,
+    plan: NormPlan,
+    entry: _CachedPlan,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The one collective: sums (or maxes) the local contributions and checks, in the same buffer,
+    that every rank used the same plan. Returns the global (total, per-slot) powers; both are
+    ``nan`` on every rank if any rank held a ``nan`` or the plans differ (where raising would need a
+    host sync)."""
+    f, n = float(plan.fingerprint), dist.get_world_size(plan.group)
+    if is_inf:
+        # A MAX reduction may drop nan (gloo keeps whichever operand it holds), so nan travels as a
+        # flag; max(f) == f and max(-f) == -f on every rank exactly when all fingerprints are equal.
+        sent = entry.constant(("sent", True), device, torch.float64, lambda: [f, -f])
+        expected = entry.constant(("expected", True), device, torch.float64, lambda: [f, -f])
+        parts = [local.reshape(1), torch.isnan(local).to(torch.float64).reshape(1), sent]
+    else:
+        # A SUM propagates nan by itself, and the fingerprints add up exactly (see NormPlan). Two
+        # different plans fail the check on every rank; with three or more, a rank whose fingerprint
+        # is exactly the mean of all would miss it (odds of about one in the fingerprint range).
+        sent = entry.constant(("sent", False), device, torch.float64, lambda: [f])
+        expected = entry.constant(("expected", False), device, torch.float64, lambda: [n * f])
+        parts = [local.reshape(1), sent]
+    head = len(parts) - 1 + sent.numel()
+    if per_slot is not None:
+        parts.append(per_slot)
+    buffer = torch.cat(parts)
+    dist.all_reduce(buffer, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=plan.group)
+    agreed = torch.eq(buffer[head - sent.numel() : head], expected).all()
+    if device.type == "cpu" and not agreed:
+        raise RuntimeError(
+            "ranks used different cached norm plans in the same call (their gradient layouts "
+            "diverged after agreeing earlier); every rank of a stage must pass gradients of the "
+            "same layout"
+        )
+    poisoned = ~agreed | (buffer[1] > 0) if is_inf else ~agreed
+    total = torch.where(poisoned, torch.full_like(buffer[0], math.nan), buffer[0])
+    return total, None if per_slot is None else buffer[head:]
+
+
 def _global_norm(
     grads: Sequence[torch.Tensor],
     names: Sequence[str] | None,
@@ -253,28 +296,7 @@ def _global_norm(
         local = _combine(powers(runs.to_norm), is_inf)
 
     if plan.needs_collective:
-        f, n = float(plan.fingerprint), dist.get_world_size(plan.group)
-        checks = entry.constant(("sent", is_inf), device, torch.float64, lambda: [f, -f] if is_inf else [f, f * f])
-        expected = entry.constant(
-            ("expected", is_inf), device, torch.float64, lambda: [f, -f] if is_inf else [n * f, n * f * f]
-        )
-        parts = [local.reshape(1), torch.isnan(local).to(torch.float64).reshape(1), checks]
-        if per_slot is not None:
-            parts.append(per_slot)
-        buffer = torch.cat(parts)
-        dist.all_reduce(buffer, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=plan.group)
-        agreed = torch.eq(buffer[2:4], expected).all()
-        if device.type == "cpu" and not agreed:
-            raise RuntimeError(
-                "ranks used different cached norm plans in the same call (their gradient layouts "
-                "diverged after agreeing earlier); every rank of a stage must pass gradients of the "
-                "same layout"
-            )
-        # On an accelerator, raising would need a host sync: the norm becomes NaN on every rank.
-        poisoned = (buffer[1] > 0) | ~agreed
-        local = torch.where(poisoned, torch.full_like(buffer[0], math.nan), buffer[0])
-        if per_slot is not None:
-            per_slot = buffer[4:]
+        local, per_slot = _all_reduce(local, per_slot, is_inf, plan, entry, device)
 
     total = local if is_inf else local.pow(1.0 / norm_type)
     if per_slot is not None and not is_inf:

@@ -55,8 +55,9 @@ class NormPlan:
         stage: this rank's pipeline stage (0 without pipeline parallelism).
         accumulate_dtype: the default dtype of local sums and of the result, the same on every rank:
             ``float64`` if any rank holds a ``float64`` tensor, else ``float32``.
-        fingerprint: a number in ``[1, 2**20]`` hashed from every rank's view; equal on all ranks
-            that agreed on this plan, so a later call can check they still use the same one.
+        fingerprint: a whole number hashed from every rank's view, equal on all ranks that agreed
+            on this plan, so a later call can check they still use the same one; at most
+            ``2**52 / world_size``, so that its sum over the ranks is exact in float64.
     """
 
     layouts: tuple[TensorLayout, ...]
@@ -93,7 +94,7 @@ def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 def _fingerprint(views: list[dict]) -> int:
     digest = hashlib.blake2b(repr(views).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % (1 << 20) + 1
+    return int.from_bytes(digest, "little") % (1 << (52 - len(views).bit_length())) + 1
 
 
 def _first_difference(a: list, b: list) -> int:

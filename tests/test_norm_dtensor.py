@@ -134,6 +134,28 @@ def test_ranks_that_disagree_fail_together_with_the_difference_named():
         assert "rank 1 holds 3 gradient tensors but rank 0" in m
 
 
+def _diverged_plans_case(norm_type, layout_of_rank):
+    """Every rank caches the plans of three layouts, then the ranks pick different ones in the same
+    call: every cache hits, so only the check riding on the all-reduce can notice."""
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
+    layouts = [
+        [distribute_tensor(_full((8, 3), 0), mesh, [Shard(0)])],
+        [distribute_tensor(_full((8, 3), 0), mesh, [Shard(1)])],
+        [distribute_tensor(_full((8, 3), 0), mesh, [Shard(0)]), _full((2,), 1)],
+    ]
+    for grads in layouts:
+        nd.get_total_norm(grads, norm_type)
+    with pytest.raises(RuntimeError, match="different cached norm plans") as info:
+        nd.get_total_norm(layouts[layout_of_rank[dist.get_rank()]], norm_type)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("layout_of_rank", [(0, 0, 0, 1), (0, 1, 2, 0)], ids=["two-plans", "three-plans"])
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_ranks_on_different_cached_plans_raise_everywhere(norm_type, layout_of_rank):
+    assert len(run_on_ranks(4, _diverged_plans_case, norm_type, layout_of_rank, timeout=60)) == 4
+
+
 def _nonfinite_case(bad):
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
     full = _full((8, 3), 0)
