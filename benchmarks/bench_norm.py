@@ -327,7 +327,10 @@ def main() -> None:
     args = p.parse_args()
     if "fsdp_tp" in args.layouts and args.world_size % 2:
         p.error("fsdp_tp needs an even --world-size")
-    spawn_and_report(worker, args, RESULTS / f"norm_{args.world_size}ranks", write_markdown, write_plot)
+    # Fresh ranks per case: after a larger model in the same process, ndclip ran slower on
+    # N = 1,000 (ndclip 4.0 -> 5.1-6.0 ms at 2 ranks), its objects scattered over a bigger heap.
+    cases = [{"layouts": [layout], "sizes": [n]} for layout in args.layouts for n in args.sizes]
+    spawn_and_report(worker, args, RESULTS / f"norm_{args.world_size}ranks", write_markdown, write_plot, cases)
 
 
 if __name__ == "__main__":
