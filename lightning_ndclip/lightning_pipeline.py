@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from lightning_ndclip.mesh import ParallelMeshes
 from lightning_ndclip.parallelize import parallelize
@@ -64,6 +65,7 @@ class PipelineRunner:
         self.token_weights: torch.Tensor | None = None
         self._target: torch.Tensor | None = None  # the batch's target, indexed by the row ids the schedule splits
         self._module: Any = None  # the LightningModule (it defines pipeline_loss)
+        self._loss_error: Exception | None = None  # the first pipeline_loss error of this batch
         self._ties: list[tuple[list[torch.Tensor], dist.ProcessGroup | None]] = []
         self._user_stages = False
 
@@ -162,7 +164,19 @@ class PipelineRunner:
         ties = {names[0]: holders[0] for names, (holders, _) in zip(self.config.tied, self._ties) if holders}
         return ties or None
 
-    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function. An error in ``pipeline_loss`` is kept for :meth:`run` to
+        raise on every stage once the schedule is through; meanwhile the micro-batch gets a zero loss
+        connected to ``output``, so its backward (and the stages waiting for it) still run."""
+        try:
+            return self._scaled_loss(output, target)
+        except Exception as error:
+            if self._loss_error is None:
+                self._loss_error = error
+            leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            return sum((t.sum() * 0.0 for t in leaves), torch.zeros((), device=self.device))
+
+    def _scaled_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         weights = self.token_weights
         if weights is None or self._target is None:
             loss = self._module.pipeline_loss(output, target)
@@ -198,7 +212,7 @@ class PipelineRunner:
         run = self.schedule.step if training else self.schedule.eval
         if not training:  # evaluation: the plain sum of pipeline_loss over micro-batches
             self.loss_scale, self.token_weights = 1.0, None
-        self._target = None
+        self._target, self._loss_error = None, None
         if self.token_weights is not None:  # checked on every rank (all get the target): none is left waiting
             if not isinstance(target, torch.Tensor) or target.shape[0] != self.token_weights.shape[0]:
                 raise ValueError(
@@ -215,10 +229,21 @@ class PipelineRunner:
             run(target=target, losses=losses)
         else:
             run()
-        # float64 on every rank: the broadcast must agree in size whatever the loss dtype
-        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        # [loss, failed], float64 on every rank: the broadcast must agree in size whatever the loss dtype
+        result = torch.zeros(2, dtype=torch.float64, device=self.device)
         if losses:
-            loss = torch.stack(losses).sum().detach().to(torch.float64)
+            result[0] = torch.stack(losses).sum().detach()
+        result[1] = float(self._loss_error is not None)
         last = int(pp_mesh.mesh.flatten()[size - 1])
-        dist.broadcast(loss, src=last, group=pp_mesh.get_group())
-        return loss
+        dist.broadcast(result, src=last, group=pp_mesh.get_group())
+        if result[1]:  # one host read per batch: every stage raises, none is left waiting
+            self._raise_loss_error(last)
+        return result[0]
+
+    def _raise_loss_error(self, last: int) -> None:
+        error, self._loss_error = self._loss_error, None
+        message = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(message, src=last, group=self.meshes["pp"].get_group())
+        if error is not None:
+            raise error
+        raise RuntimeError(f"pipeline_loss raised on the last pipeline stage (global rank {last}): {message[0]}")

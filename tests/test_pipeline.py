@@ -627,3 +627,38 @@ def _short_target_case() -> str:
 def test_a_sample_mean_target_of_the_wrong_size_raises_on_every_stage():
     for message in run_on_ranks(2, _short_target_case, timeout=60):  # a stage left waiting would time out
         assert "one row per row of sample ids (4)" in message
+
+
+class _ScalarLossLM(_SampleMeanPipelinedLM):
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return super().pipeline_loss(output, target).sum()  # not per-token: the strategy's check fails
+
+
+class _FailingLossLM(_PipelinedLM):
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise KeyError("logits")  # any error of the user's loss
+
+
+def _loss_error_case(normalization: str) -> tuple[str, str]:
+    use_existing_process_group()
+    module = _ScalarLossLM() if normalization == "sample_mean" else _FailingLossLM()
+    module.dp = 1
+    strategy = nd.NDParallelStrategy(
+        pp=2, dp_shard=1, pp_split_points=["layers.2"], pp_microbatches=2, loss_normalization=normalization
+    )
+    with pytest.raises(Exception) as info:
+        _fit_two_windows(module, strategy, devices=2)
+    return type(info.value).__name__, str(info.value)
+
+
+@pytest.mark.parametrize(
+    "normalization,error,text",
+    [("sample_mean", "ValueError", "pipeline_loss must return per-token losses"), ("token_mean", "KeyError", "logits")],
+)
+def test_an_error_in_pipeline_loss_raises_on_every_stage(normalization, error, text):
+    """The last stage raises the error itself once the schedule is through; the other stages, which
+    would otherwise wait for its gradients, raise naming it (the old code timed out here)."""
+    last, first = run_on_ranks(2, _loss_error_case, normalization, timeout=60)[::-1]
+    assert last[0] == error and text in last[1]
+    assert first[0] == "RuntimeError"
+    assert f"pipeline_loss raised on the last pipeline stage (global rank 1): {error}" in first[1] and text in first[1]
