@@ -18,10 +18,10 @@ SUMMARY = re.compile(
 )
 
 
-def _run(script: str, *args: str, cwd: Path) -> str:
+def _run(script: str, *args: str, cwd: Path, launcher: tuple[str, ...] = ()) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), *args],
+        [sys.executable, *launcher, str(EXAMPLES / script), *args],
         check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=240,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
@@ -55,10 +55,14 @@ def test_norm_demo_matches_single_device(tmp_path):
     assert re.search(r"collectives for norms \+ clip\s*:\s*1\b", out)
 
 
-def test_lightning_quickstart_trains_with_lightnings_own_launcher(tmp_path):
-    out = _run("lightning_quickstart.py", "--max-steps", "10", "--logdir", str(tmp_path / "runs"), cwd=tmp_path)
-    _summary(out, steps=10)
-    assert list((tmp_path / "runs" / "quickstart").glob("version_0/events.out.tfevents.*"))
+def test_lightning_quickstart_trains_alike_with_lightnings_launcher_and_torchrun(tmp_path):
+    args = ("--max-steps", "10", "--devices", "2")
+    own = _run("lightning_quickstart.py", *args, "--logdir", str(tmp_path / "own"), cwd=tmp_path)
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+    elastic = _run("lightning_quickstart.py", *args, "--logdir", str(tmp_path / "torchrun"), cwd=tmp_path, launcher=torchrun)
+    assert _summary(own, steps=10) == _summary(elastic, steps=10)  # seeded: the same run, whoever starts the ranks
+    own_norms, elastic_norms = (_scalars(tmp_path / d / "quickstart")["grad_norm/total"] for d in ("own", "torchrun"))
+    assert len(own_norms) == 2 and own_norms == elastic_norms  # logged every 5 steps
 
 
 def test_train_gpt_runs_fsdp_x_tp_and_logs(tmp_path):
