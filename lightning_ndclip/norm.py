@@ -221,9 +221,10 @@ def _all_reduce(
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The one collective: sums (or maxes) the local contributions and checks, in the same buffer,
-    that every rank used the same plan. Returns the global (total, per-slot) powers; both are
-    ``nan`` on every rank if any rank held a ``nan`` or the plans differ (where raising would need a
-    host sync)."""
+    that every rank used the same plan. Returns the global (total, per-slot) powers. If any rank
+    held a ``nan``, the total is ``nan`` on every rank, and so is the slot that held it (``inf``
+    for the inf norm, whose MAX would drop a ``nan``). If the plans differ, where raising would
+    need a host sync, everything is ``nan``."""
     f, n = float(plan.fingerprint), dist.get_world_size(plan.group)
     if is_inf:
         # A MAX reduction may drop nan (gloo keeps whichever operand it holds), so nan travels as a
@@ -240,7 +241,7 @@ def _all_reduce(
         parts = [local.reshape(1), sent]
     head = len(parts) - 1 + sent.numel()
     if per_slot is not None:
-        parts.append(per_slot)
+        parts.append(torch.where(per_slot.isnan(), math.inf, per_slot) if is_inf else per_slot)
     buffer = torch.cat(parts)
     dist.all_reduce(buffer, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=plan.group)
     agreed = torch.eq(buffer[head - sent.numel() : head], expected).all()
@@ -251,8 +252,8 @@ def _all_reduce(
             "same layout"
         )
     poisoned = ~agreed | (buffer[1] > 0) if is_inf else ~agreed
-    total = torch.where(poisoned, torch.full_like(buffer[0], math.nan), buffer[0])
-    return total, None if per_slot is None else buffer[head:]
+    total = torch.where(poisoned, math.nan, buffer[0])
+    return total, None if per_slot is None else torch.where(agreed, buffer[head:], math.nan)
 
 
 def _global_norm(

@@ -176,6 +176,33 @@ def test_nonfinite_on_one_rank_is_nonfinite_everywhere(bad):
             assert math.isnan(two) and math.isnan(inf)
 
 
+def _nonfinite_per_parameter_case():
+    """Parameter k holds a nan on rank k only (one per rank position); the last one is clean."""
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
+    full = [_full((8, 3), k) for k in range(5)]
+    grads = [distribute_tensor(f, mesh, [Shard(0)]) for f in full]
+    for k in range(4):
+        if dist.get_rank() == k:
+            grads[k].to_local()[0, 0] = math.nan
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for param, g in zip(params, grads):
+        param.grad = g
+    out = {}
+    for p in (2.0, math.inf):
+        norms = nd.grad_norms([(f"w{k}", param) for k, param in enumerate(params)], p)
+        assert_close(norms.per_tensor[4], reference_norm(full[4:], p))
+        out[p] = [float(v) for v in norms.per_tensor[:4]] + [float(norms.total)]
+    return out
+
+
+def test_a_nan_in_one_shard_makes_that_parameters_norm_nonfinite_everywhere():
+    """A MAX all-reduce may drop a nan (gloo keeps whichever operand it holds): per-parameter inf
+    norms carry it as inf. 2-norms and totals stay nan."""
+    for out in run_on_ranks(4, _nonfinite_per_parameter_case):
+        assert all(math.isnan(v) for v in out[2.0])
+        assert all(not math.isfinite(v) for v in out[math.inf]) and math.isnan(out[math.inf][-1])
+
+
 def _replicated_only_case():
     full = [_full((6, 2), 0), _full((3,), 1)]
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
