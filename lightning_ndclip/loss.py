@@ -122,6 +122,24 @@ class SampleWeights:
         return (token_losses * self.weights[micro_batch].to(token_losses.dtype)).sum()
 
 
+def _bin_tokens(ids: torch.Tensor, mask: torch.Tensor, num_samples: int) -> torch.Tensor:
+    """``num_samples + 1`` counts: the tokens in ``mask`` of each sample, then those whose id is
+    ``num_samples`` or more (a scatter of known size: no host sync, unlike ``bincount``)."""
+    bins = torch.where(mask, ids.clamp(max=num_samples), num_samples + 1).reshape(-1)
+    counts = torch.zeros(num_samples + 2, dtype=torch.int64, device=ids.device)
+    return counts.index_add_(0, bins, torch.ones_like(bins))[:-1]
+
+
+def _out_of_range_message(binned: Sequence[torch.Tensor], num_samples: Sequence[int]) -> str:
+    here = [
+        f"micro-batch {m} has {int(c[-1])} valid tokens with a sample id >= num_samples={n}"
+        for m, (c, n) in enumerate(zip(binned, num_samples))
+        if c[-1]
+    ]
+    where = "on this rank: " + "; ".join(here) if here else "on another rank of the data- or context-parallel group"
+    return f"sample_ids must lie in 0 .. num_samples - 1 (-1 for padding), but {where}"
+
+
 def sync_sample_weights(
     sample_ids: Sequence[torch.Tensor],
     num_samples: Sequence[int],
@@ -149,24 +167,30 @@ def sync_sample_weights(
         raise ValueError("with a cp_group, pass dp_group too (the ranks holding distinct samples)")
     if len(sample_ids) != len(num_samples):
         raise ValueError(f"{len(sample_ids)} sample_ids tensors but {len(num_samples)} num_samples")
+    sample_ids = [ids.to(torch.int64) for ids in sample_ids]
     masks = [
         (ids >= 0) if valid is None else (ids >= 0) & valid[m].to(torch.bool) for m, ids in enumerate(sample_ids)
     ]
-    counts = torch.cat(
-        [torch.bincount(ids[mask].reshape(-1), minlength=n)[:n] for ids, mask, n in zip(sample_ids, masks, num_samples)]
-    ).to(torch.int64)
+    # per micro-batch: the valid tokens of each of its samples, then those whose id is >= num_samples
+    binned = [_bin_tokens(ids, mask, n) for ids, mask, n in zip(sample_ids, masks, num_samples)]
+    counts = torch.cat(binned)
     if cp_group is not None:
         _all_reduce(counts, cp_group)
-    present = (counts > 0).sum()
+    per_micro_batch = counts.split([n + 1 for n in num_samples])
+    per_sample = [c[:-1] for c in per_micro_batch]
+    present = sum(((c > 0).sum() for c in per_sample), counts.new_zeros(()))
     first_cp_rank = cp_group is None or dist.get_rank(cp_group) == 0
     local_samples = present if first_cp_rank else torch.zeros_like(present)
-    total_samples = _all_reduce(present.clone(), dp_group)
-    per_sample = counts.split(list(num_samples))
+    out_of_range = sum((c[-1] for c in per_micro_batch), counts.new_zeros(()))
+    total_samples, out_of_range = _all_reduce(torch.stack([present, out_of_range]), dp_group).unbind()
+    if counts.device.type == "cpu" and out_of_range:  # elsewhere, reading it would sync: the weights become nan
+        raise ValueError(_out_of_range_message(binned, num_samples))
     scale = total_samples.clamp(min=1).to(torch.float64)
     weights = []
     for ids, mask, t in zip(sample_ids, masks, per_sample):
         inverse = torch.cat([1.0 / (t.clamp(min=1).to(torch.float64) * scale), scale.new_zeros(1)])
-        weights.append(inverse[torch.where(mask, ids, len(t))])  # the extra last entry: weight 0
+        weight = inverse[torch.where(mask, ids.clamp(max=len(t)), len(t))]  # the extra last entry: weight 0
+        weights.append(torch.where(out_of_range > 0, torch.nan, weight))
     return SampleWeights(
         weights=weights,
         tokens_per_sample=list(per_sample),

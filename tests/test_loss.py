@@ -291,3 +291,27 @@ def _ddp_case(use_hook: bool) -> float:
 def test_ddp_sum_hook_gives_the_exact_token_mean():
     assert max(run_on_ranks(2, _ddp_case, True)) < 1e-10
     assert min(run_on_ranks(2, _ddp_case, False)) > 1e-2  # DDP's default divides by the world size
+
+
+def _out_of_range_case(bad_id_offset: int) -> str:
+    """dp=2 x cp=2; rank 3 labels one valid token of its 2nd micro-batch with an id >= num_samples
+    (and one masked-out token too, which does not count)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    ids = [torch.tensor([[0, 0, 1, -1]]), torch.tensor([[0, 1, 1, 2]])]
+    valid = [torch.ones(1, 4, dtype=torch.bool), torch.tensor([[True, True, True, False]])]
+    ids[1][0, 3] = 2 + bad_id_offset + 3  # masked out: ignored on every rank
+    if dist.get_rank() == 3:
+        ids[1][0, 1] = 2 + bad_id_offset
+    with pytest.raises(ValueError) as info:
+        sync_sample_weights(ids, [2, 2], valid, cp_group=mesh["cp"].get_group(), dp_group=mesh["dp"].get_group())
+    return str(info.value)
+
+
+@pytest.mark.parametrize("bad_id_offset", [0, 5], ids=["id-equal-to-num_samples", "id-beyond"])
+def test_a_sample_id_out_of_range_raises_on_every_rank(bad_id_offset):
+    """An id equal to num_samples used to get weight 0 silently (and one beyond it an IndexError
+    on that rank alone)."""
+    messages = run_on_ranks(4, _out_of_range_case, bad_id_offset)
+    assert all(m.startswith("sample_ids must lie in 0 .. num_samples - 1 (-1 for padding), but ") for m in messages)
+    assert messages[3].endswith("on this rank: micro-batch 1 has 1 valid tokens with a sample id >= num_samples=2")
+    assert all(m.endswith("on another rank of the data- or context-parallel group") for m in messages[:3])

@@ -1,5 +1,6 @@
-"""The norm and clip never read a value on the host: they run on ``meta`` tensors, which hold no
-data, so any host read (``.item()``, ``bool()``, ``.tolist()``, a copy to the CPU) raises.
+"""The norm, the clip and the loss normalization never read a value on the host: they run on
+``meta`` tensors, which hold no data, so any host read (``.item()``, ``bool()``, ``.tolist()``, a
+copy to the CPU, an output sized by the data) raises.
 
 This is the CPU stand-in for ``torch.cuda.set_sync_debug_mode("error")``: a host read there is a
 device synchronization. (Without a process group; the one all-reduce of a distributed call runs on
@@ -47,3 +48,17 @@ def test_error_if_nonfinite_reads_the_host_and_is_caught_here():
     """The check above can fail: ``error_if_nonfinite=True`` must read the norm on the host."""
     with pytest.raises((NotImplementedError, RuntimeError), match="meta"):
         nd.clip_grad_norm_(_meta_params(False), 1.0, error_if_nonfinite=True)
+
+
+def test_loss_normalization_reads_nothing_on_the_host():
+    """The token count and the hierarchical sample weights stay device tensors too (``bincount`` or
+    boolean indexing would read the ids' maximum or count on the host: both raise on meta)."""
+    labels = torch.empty(2, 6, dtype=torch.int64, device="meta")
+    count = nd.sync_token_count(nd.count_valid_tokens(labels))
+    assert count.total.device.type == "meta"
+    ids = [torch.empty(2, 6, dtype=torch.int64, device="meta"), torch.empty(1, 6, dtype=torch.int32, device="meta")]
+    valid = [torch.empty(2, 6, dtype=torch.bool, device="meta"), torch.empty(1, 6, dtype=torch.bool, device="meta")]
+    weights = nd.sync_sample_weights(ids, [3, 1], valid)
+    assert [w.shape for w in weights.weights] == [(2, 6), (1, 6)] and weights.num_samples.device.type == "meta"
+    with pytest.raises((NotImplementedError, RuntimeError)):  # what the check would catch
+        torch.bincount(ids[0][valid[0]])
