@@ -229,8 +229,7 @@ def _all_reduce(
     if is_inf:
         # A MAX reduction may drop nan (gloo keeps whichever operand it holds), so nan travels as a
         # flag; max(f) == f and max(-f) == -f on every rank exactly when all fingerprints are equal.
-        sent = entry.constant(("sent", True), device, torch.float64, lambda: [f, -f])
-        expected = entry.constant(("expected", True), device, torch.float64, lambda: [f, -f])
+        sent = expected = entry.constant(("sent", True), device, torch.float64, lambda: [f, -f])
         parts = [local.reshape(1), torch.isnan(local).to(torch.float64).reshape(1), sent]
     else:
         # A SUM propagates nan by itself, and the fingerprints add up exactly (see NormPlan). Two
@@ -239,7 +238,7 @@ def _all_reduce(
         sent = entry.constant(("sent", False), device, torch.float64, lambda: [f])
         expected = entry.constant(("expected", False), device, torch.float64, lambda: [n * f])
         parts = [local.reshape(1), sent]
-    head = len(parts) - 1 + sent.numel()
+    head = sum(t.numel() for t in parts)  # where the per-slot values start
     if per_slot is not None:
         parts.append(torch.where(per_slot.isnan(), math.inf, per_slot) if is_inf else per_slot)
     buffer = torch.cat(parts)
