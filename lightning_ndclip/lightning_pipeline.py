@@ -1,18 +1,18 @@
 """Pipeline parallelism inside :class:`~lightning_ndclip.NDParallelStrategy`: the Lightning side of
 :mod:`lightning_ndclip.pipeline`.
 
-With ``pp > 1`` the strategy owns one :class:`PipelineRunner`. It gives the LightningModule a
-``configure_model`` that cuts the model into this rank's stages (or schedules the stages the user's
-own ``configure_model`` built), runs the schedule when ``training_step`` calls
-``strategy.run_pipeline``, scales each micro-batch's loss as the accumulation window needs, zeroes
-gradients before the schedule (Lightning would zero them after ``training_step``, where the schedule
-has already run backward), and sums the gradients of parameters tied across stages once a window is
-complete.
+With ``pp > 1`` the strategy owns one :class:`PipelineRunner`. In the strategy's ``setup`` it cuts
+the model into this rank's stages (or schedules the stages the user's own ``configure_model``
+built); it runs the schedule when ``training_step`` calls ``strategy.run_pipeline``, scales each
+micro-batch's loss as the accumulation window needs, keeps the gradients the schedule computed
+inside ``training_step`` aside until Lightning calls ``backward`` (Lightning zeroes gradients in
+between), and sums the gradients of parameters tied across stages once a window is complete.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,15 +49,24 @@ class PipelineConfig:
     tied: tuple[tuple[str, ...], ...]
 
 
+class _PipelineStages(nn.ModuleList):
+    """This rank's stage modules, in the place of the model they were cut from; they remember their
+    global stage indices and the model's units, so a later Trainer can schedule them again."""
+
+    def __init__(self, stages: Sequence[nn.Module], indices: Sequence[int], units: Sequence[str]) -> None:
+        super().__init__(stages)
+        self.indices = list(indices)
+        self.units = list(units)
+
+
 class PipelineRunner:
     """Builds, schedules and runs this rank's pipeline stages for the strategy."""
 
-    def __init__(self, config: PipelineConfig, meshes: ParallelMeshes, device: torch.device) -> None:
+    def __init__(self, config: PipelineConfig, device: torch.device) -> None:
         self.config = config
-        self.meshes = meshes
         self.device = device
-        self.pp = meshes["pp"].size()
-        self.schedule: Any = None  # a torch.distributed.pipelining schedule, once configure_model ran
+        self.meshes: ParallelMeshes | None = None
+        self.schedule: Any = None  # a torch.distributed.pipelining schedule, once set up
         # multiplies pipeline_loss: micro-batch values -> their share of the window's loss
         self.loss_scale: float | torch.Tensor = 1.0
         # sample_mean: per-token weights of the batch (rows like the target's); pipeline_loss then
@@ -67,27 +76,51 @@ class PipelineRunner:
         self._module: Any = None  # the LightningModule (it defines pipeline_loss)
         self._loss_error: Exception | None = None  # the first pipeline_loss error of this batch
         self._ties: list[tuple[list[torch.Tensor], dist.ProcessGroup | None]] = []
-        self._user_stages = False
+        self._aside: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, gradient) until backward
+        self._window_ends = False
 
-    def install(self, module: pl.LightningModule, plan: Mapping[str, Any]) -> None:
-        """Give ``module`` a ``configure_model`` that cuts its ``config.module`` into this rank's
-        stages, parallelizes each (``plan``: the strategy's declarative plan) and builds the schedule;
-        or, if ``module`` overrides ``configure_model`` (building its own stages), schedule those in
-        :meth:`schedule_user_stages`."""
-        self._module = module
-        self._take_over_zero_grad(module)
-        config, meshes = self.config, self.meshes
+    @property
+    def pp(self) -> int:
+        return self._meshes["pp"].size()
+
+    @property
+    def _meshes(self) -> ParallelMeshes:
+        if self.meshes is None:
+            raise RuntimeError("the pipeline is not set up yet")
+        return self.meshes
+
+    def check(self, module: pl.LightningModule, plan: Mapping[str, Any]) -> None:
+        """Before any collective: the pipeline arguments and ``module`` fit one of the two ways (the
+        strategy splits ``config.module``, or the module's ``configure_model`` builds the stages)."""
+        config = self.config
         if is_overridden("configure_model", module):
             if config.split_points or config.tied or any(plan.values()):
                 raise ValueError(
                     f"{type(module).__name__} overrides configure_model() (building its own stages) and "
                     "NDParallelStrategy got pp_split_points / pp_tied_parameters / a declarative plan: use one way"
                 )
-            self._user_stages = True
-            return
-        model = getattr(module, config.module, None)
-        if not isinstance(model, nn.Module):
+        elif not isinstance(getattr(module, config.module, None), nn.Module):
             raise ValueError(f"pp_module={config.module!r}: the LightningModule has no submodule of that name")
+
+    def setup(self, module: pl.LightningModule, meshes: ParallelMeshes, plan: Mapping[str, Any]) -> None:
+        """Cut ``module``'s ``config.module`` into this rank's stages, parallelize each (``plan``: the
+        strategy's declarative plan, else the module's ``parallelize_stage(stage)``, else one
+        ``fully_shard`` per stage) and build the schedule; or schedule the stages the module's own
+        ``configure_model`` built. Once per runner: a later ``validate`` / ``test`` reuses it, and a new
+        runner reschedules stages an earlier one cut."""
+        if self.schedule is not None:
+            return
+        self.meshes, self._module = meshes, module
+        config = self.config
+        if is_overridden("configure_model", module):
+            self._schedule_user_stages()
+            return
+        model = getattr(module, config.module)
+        if isinstance(model, _PipelineStages):  # cut by an earlier Trainer's strategy
+            stages: list[nn.Module] = list(model)
+            self.schedule = self._schedule(dict(zip(model.indices, stages)))
+            self._ties = [self._tie_group(names, stages, model.units) for names in config.tied]
+            return
         units = model_units(model)
         hook = getattr(module, "parallelize_stage", None)
 
@@ -97,35 +130,26 @@ class PipelineRunner:
             else:  # the plan, or at least one FSDP2 unit per stage (DTensor parameters: checkpoints)
                 parallelize(stage, meshes, **plan)
 
-        def configure_model() -> None:
-            self.schedule, stages = build_pipeline(
-                model, meshes["pp"], config.split_points, n_microbatches=config.n_microbatches,
-                loss_fn=self._loss, schedule=config.schedule, stages_per_rank=config.stages_per_rank,
-                parallelize_fn=parallelize_stage, device=self.device,
-            )  # fmt: skip
-            setattr(module, config.module, nn.ModuleList(stages))
-            self._ties = [self._tie_group(names, stages, units) for names in config.tied]
+        self.schedule, stages = build_pipeline(
+            model, meshes["pp"], config.split_points, n_microbatches=config.n_microbatches,
+            loss_fn=self._loss, schedule=config.schedule, stages_per_rank=config.stages_per_rank,
+            parallelize_fn=parallelize_stage, device=self.device,
+        )  # fmt: skip
+        rank = meshes["pp"].get_local_rank()
+        indices = [rank + k * self.pp for k in range(config.stages_per_rank)]
+        setattr(module, config.module, _PipelineStages(stages, indices, units))
+        self._ties = [self._tie_group(names, stages, units) for names in config.tied]
 
-        module.configure_model = configure_model  # type: ignore[method-assign]
+    def _schedule(self, stages: dict[int, nn.Module]) -> Any:
+        config = self.config
+        return schedule_stages(
+            stages, self.pp * config.stages_per_rank, self._meshes["pp"], n_microbatches=config.n_microbatches,
+            loss_fn=self._loss, schedule=config.schedule, device=self.device,
+        )  # fmt: skip
 
-    def _take_over_zero_grad(self, module: pl.LightningModule) -> None:
-        if is_overridden("optimizer_zero_grad", module):
-            raise ValueError(
-                f"with pp > 1, NDParallelStrategy zeroes gradients itself (Lightning would zero them "
-                f"after training_step, where the schedule has already run backward): "
-                f"{type(module).__name__} must not override optimizer_zero_grad()"
-            )
-
-        def optimizer_zero_grad(*args: Any, **kwargs: Any) -> None:
-            pass  # done by zero_grad(), before the schedule
-
-        module.optimizer_zero_grad = optimizer_zero_grad  # type: ignore[method-assign]
-
-    def schedule_user_stages(self) -> None:
+    def _schedule_user_stages(self) -> None:
         """After the user's ``configure_model``: ``config.module`` is an ``nn.ModuleDict``
         ``{str(global stage index): stage}`` of this rank's parallelized stages; schedule them."""
-        if not self._user_stages:
-            return
         name = self.config.module
         stages = getattr(self._module, name, None)
         if not isinstance(stages, nn.ModuleDict):
@@ -133,11 +157,7 @@ class PipelineRunner:
                 f"with pp > 1 and a configure_model(), set self.{name} = nn.ModuleDict({{str(stage_index): "
                 f"stage_module}}) of this rank's stages; got {type(stages).__name__}"
             )
-        self.schedule = schedule_stages(
-            {int(i): m for i, m in stages.items()}, self.pp * self.config.stages_per_rank, self.meshes["pp"],
-            n_microbatches=self.config.n_microbatches, loss_fn=self._loss, schedule=self.config.schedule,
-            device=self.device,
-        )  # fmt: skip
+        self.schedule = self._schedule({int(i): m for i, m in stages.items()})
 
     def _tie_group(
         self, names: Sequence[str], stages: list[nn.Module], units: list[str]
@@ -149,7 +169,7 @@ class PipelineRunner:
         owners = sorted({i % pp for i, keep in enumerate(per_stage) if any(n.rsplit(".", 1)[0] in keep for n in names)})
         if len(owners) < 2:
             raise ValueError(f"pp_tied_parameters {list(names)}: held by fewer than two pipeline ranks")
-        columns = self.meshes.world.mesh.reshape(pp, -1)
+        columns = self._meshes.world.mesh.reshape(pp, -1)
         mine = int((columns == dist.get_rank()).nonzero()[0, 1])
         group = None
         for c in range(columns.shape[1]):
@@ -190,10 +210,34 @@ class PipelineRunner:
             )
         return (losses * weights[rows].to(losses.dtype)).sum()
 
-    def zero_grad(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """Zero gradients before the schedule of a window's first micro-batch runs backward."""
-        for optimizer in optimizers:
-            optimizer.zero_grad(set_to_none=True)
+    @contextmanager
+    def gradients_aside(self, module: nn.Module, window_ends: bool) -> Iterator[None]:
+        """Around ``training_step``: the schedule's backward starts from no gradients; what it computes
+        is set aside for :meth:`gradients_back`, and the gradients from before are put back (for
+        Lightning to zero at a window's start, or to keep accumulating into)."""
+        parameters = list(module.parameters())
+        before = [p.grad for p in parameters]
+        for p in parameters:
+            p.grad = None
+        self._window_ends = window_ends
+        try:
+            yield
+        finally:
+            self._aside = [(p, p.grad) for p in parameters if p.grad is not None]
+            for p, grad in zip(parameters, before):
+                p.grad = grad
+
+    def gradients_back(self, module: nn.Module) -> None:
+        """In ``backward``: add the set-aside gradients; at a window's end, sum the tied copies."""
+        aside, self._aside = self._aside, []
+        for p, grad in aside:
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad += grad
+        if self._window_ends:
+            self._window_ends = False
+            self.window_complete()
 
     def sync_ties(self) -> None:
         """Give every copy of a tied parameter the value of the lowest holding stage's copy."""
@@ -207,7 +251,7 @@ class PipelineRunner:
 
     def run(self, inputs: Any, target: Any, training: bool) -> torch.Tensor:
         """One batch through the schedule; the loss, float64, broadcast from the last stage."""
-        pp_mesh = self.meshes["pp"]
+        pp_mesh = self._meshes["pp"]
         rank, size = pp_mesh.get_local_rank(), pp_mesh.size()
         run = self.schedule.step if training else self.schedule.eval
         if not training:  # evaluation: the plain sum of pipeline_loss over micro-batches
@@ -243,7 +287,7 @@ class PipelineRunner:
     def _raise_loss_error(self, last: int) -> None:
         error, self._loss_error = self._loss_error, None
         message = [None if error is None else f"{type(error).__name__}: {error}"]
-        dist.broadcast_object_list(message, src=last, group=self.meshes["pp"].get_group())
+        dist.broadcast_object_list(message, src=last, group=self._meshes["pp"].get_group())
         if error is not None:
             raise error
         raise RuntimeError(f"pipeline_loss raised on the last pipeline stage (global rank {last}): {message[0]}")

@@ -17,6 +17,10 @@ view        dims                         used for
 Expert parallelism is carved out of ``dp_shard x cp``: ``ep`` must divide it, and ``dp_shard_cp``
 unflattens into ``edp x ep`` (experts sharded over ``ep`` and FSDP-sharded over ``edp``; dense
 weights stay on the dims above).
+
+The world mesh answers to the views' names (``mesh["dp_cp"]``) and to the names Lightning's
+``ModelParallelStrategy`` gives its two dims (:data:`LIGHTNING_DIM_NAMES`), so a LightningModule
+written for it finds ``self.device_mesh["data_parallel"]`` and ``["tensor_parallel"]``.
 """
 
 from __future__ import annotations
@@ -24,18 +28,44 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+import torch
+from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MESH_DIM_NAMES", "ParallelDims", "ParallelMeshes"]
+__all__ = ["LIGHTNING_DIM_NAMES", "MESH_DIM_NAMES", "ParallelDims", "ParallelMeshes"]
 
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Names of the world mesh dims, outermost first."""
+
+LIGHTNING_DIM_NAMES = {"data_parallel": "fsdp", "tensor_parallel": "tp"}
+"""``ModelParallelStrategy``'s dim names and the view each one is: ``"data_parallel"`` is the mesh to
+``fully_shard`` over (every data rank; 2-D, replicate x shard, when ``dp_replicate > 1``)."""
 
 _FLATTENED = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
+
+
+class _WorldMesh(DeviceMesh):
+    """The world mesh, also answering to the names of its flattened views and Lightning's dim names.
+
+    The views are kept here, not sliced from the root by name: PyTorch deprecates that."""
+
+    views: dict[str, DeviceMesh]
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(names, str):
+            name = LIGHTNING_DIM_NAMES.get(names, names)
+            views = self.__dict__.get("views", {})
+            if name in views:
+                return views[name]
+            names = name
+        return super().__getitem__(names)
+
+
+class _SizeMismatchError(ValueError, RuntimeError):
+    """The sizes do not multiply to the world size (a ``RuntimeError`` too, as Lightning raises it)."""
 
 
 @dataclass(frozen=True)
@@ -51,11 +81,13 @@ class ParallelMeshes:
     flattened: dict[str, DeviceMesh]
 
     def __getitem__(self, name: str) -> DeviceMesh:
+        name = LIGHTNING_DIM_NAMES.get(name, name)
         if name in self.flattened:
             return self.flattened[name]
         if name in MESH_DIM_NAMES:
             return self.world[name]
-        raise KeyError(f"no mesh dim or view named {name!r}; have {MESH_DIM_NAMES + tuple(self.flattened)}")
+        names = MESH_DIM_NAMES + tuple(self.flattened) + tuple(LIGHTNING_DIM_NAMES)
+        raise KeyError(f"no mesh dim or view named {name!r}; have {names}")
 
 
 @dataclass(frozen=True)
@@ -91,16 +123,17 @@ class ParallelDims:
         others = self.pp * self.dp_replicate * self.cp * self.tp
         if self.dp_shard == -1:
             if self.world_size % others:
-                raise ValueError(
+                raise _SizeMismatchError(
                     f"dp_shard=-1 cannot fill the world: pp={self.pp} x dp_replicate={self.dp_replicate} x "
                     f"cp={self.cp} x tp={self.tp} = {others} does not divide world_size={self.world_size}"
                 )
             object.__setattr__(self, "dp_shard", self.world_size // others)
         product = others * self.dp_shard
         if product != self.world_size:
-            raise ValueError(
-                f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x "
-                f"tp={self.tp} = {product}, but world_size={self.world_size}"
+            raise _SizeMismatchError(
+                f"the parallel sizes multiplied should equal the world size: pp={self.pp} x "
+                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x tp={self.tp} = "
+                f"{product}, but world_size={self.world_size}"
             )
         if (self.dp_shard * self.cp) % self.ep:
             raise ValueError(
@@ -120,8 +153,10 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> ParallelMeshes:
         """The world mesh with every dim of :data:`MESH_DIM_NAMES` (size-1 dims included, so names
-        are stable) and the views ``dp``, ``dp_shard_cp``, ``dp_cp``, ``fsdp``, ``edp`` and ``ep``."""
-        world = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
+        are stable) and the views ``dp``, ``dp_shard_cp``, ``dp_cp``, ``fsdp``, ``edp`` and ``ep``;
+        the world mesh also answers to the views' names and to :data:`LIGHTNING_DIM_NAMES`."""
+        ranks = torch.arange(self.world_size, dtype=torch.int).reshape(self.shape)
+        world = _WorldMesh(device_type, ranks, mesh_dim_names=MESH_DIM_NAMES)
         views = {name: world[dims]._flatten(name) for name, dims in _FLATTENED.items()}
         experts = views["dp_shard_cp"]._unflatten(0, (self.dp_shard * self.cp // self.ep, self.ep), ("edp", "ep"))
         views["edp"], views["ep"] = experts["edp"], experts["ep"]
@@ -130,6 +165,7 @@ class ParallelDims:
             if self.dp_replicate > 1
             else views["dp_shard_cp"]
         )
+        world.views = views
         return ParallelMeshes(world, views)
 
     def describe(self) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
+import math
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -15,6 +18,7 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -25,11 +29,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
+from typing_extensions import override
 
+from lightning_ndclip import _compat
 from lightning_ndclip.lightning_pipeline import PipelineConfig, PipelineRunner
-from lightning_ndclip.mesh import ParallelDims, ParallelMeshes
+from lightning_ndclip.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError
 from lightning_ndclip.parallelize import parallelize
 from lightning_ndclip.reduce import use_sum_reduction
 from lightning_ndclip.replicas import broadcast_replicas_
@@ -37,15 +43,60 @@ from lightning_ndclip.windows import LossWindows
 
 __all__ = ["NDParallelStrategy"]
 
+_SIZES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+_ACCEPTED = (*_SIZES, "data_parallel_size", "tensor_parallel_size", *inspect.signature(ModelParallelStrategy).parameters)
+
+LightningSize = int | Literal["auto"]
+
+
+def _lightning_sizes(
+    data_parallel_size: LightningSize | None, tensor_parallel_size: LightningSize | None, sizes: dict[str, int]
+) -> tuple[LightningSize, LightningSize] | None:
+    """``ModelParallelStrategy``'s two sizes, checked, when either is given (the other defaults to
+    ``"auto"``, as there); ``None`` when neither is."""
+    if data_parallel_size is None and tensor_parallel_size is None:
+        return None
+    given = {"data_parallel_size": data_parallel_size, "tensor_parallel_size": tensor_parallel_size}
+    for name, value in given.items():
+        if value is not None and value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be a positive int or 'auto' (Lightning's meaning), got {value!r}")
+    clashes = [f"{ours}={sizes[ours]}" for ours, default in (("dp_replicate", 1), ("dp_shard", -1)) if sizes[ours] != default]
+    if data_parallel_size is not None and clashes:
+        raise TypeError(f"give data_parallel_size (Lightning's name for dp_shard) or {' / '.join(clashes)}, not both")
+    if tensor_parallel_size is not None and sizes["tp"] != 1:
+        raise TypeError(f"give tensor_parallel_size (Lightning's name for tp) or tp={sizes['tp']}, not both")
+    return data_parallel_size or "auto", tensor_parallel_size or "auto"
+
+
+def _resolve_sizes(
+    sizes: dict[str, int],
+    lightning: tuple[LightningSize, LightningSize] | None,
+    num_nodes: int,
+    devices_per_node: int,
+) -> dict[str, int]:
+    """The N-D sizes, with Lightning's two mapped onto ``dp_shard`` and ``tp``: ``"auto"`` is the number
+    of nodes for data parallel and the devices per node for tensor parallel, as in ``ModelParallelStrategy``."""
+    if lightning is None:
+        return dict(sizes)
+    data, tensor = lightning
+    return {
+        **sizes,
+        "dp_shard": num_nodes if data == "auto" else data,
+        "tp": devices_per_node if tensor == "auto" else tensor,
+    }
+
 
 class NDParallelStrategy(ModelParallelStrategy):
     """N-D parallel training: FSDP2 / HSDP, tensor, context and pipeline parallel dims on one mesh.
 
     The strategy builds the mesh (:class:`~lightning_ndclip.mesh.ParallelDims`) and hands it to the
     LightningModule as ``self.device_mesh`` (the world mesh, dims ``pp``, ``dp_replicate``,
-    ``dp_shard``, ``cp``, ``tp``); the flattened views ``dp`` (batch dims), ``dp_shard_cp`` (FSDP)
-    and ``dp_cp`` (loss dims) are ``trainer.strategy.meshes[name]``. Apply ``fully_shard`` /
-    ``parallelize_module`` in ``configure_model`` with those meshes.
+    ``dp_shard``, ``cp``, ``tp``). It also answers to the flattened views' names, ``dp`` (batch
+    dims), ``dp_shard_cp``, ``fsdp`` (FSDP2's mesh: 2-D when ``dp_replicate > 1``) and ``dp_cp`` (loss
+    dims), and to ``ModelParallelStrategy``'s names: ``"data_parallel"`` (= ``fsdp``) and
+    ``"tensor_parallel"`` (= ``tp``), so a LightningModule written for Lightning's strategy runs
+    unchanged. Apply ``fully_shard`` / ``parallelize_module`` in ``configure_model`` with those meshes,
+    or give a declarative plan (``tp_plan``, ``fsdp_units``, ...) instead of a ``configure_model``.
 
     Data: each rank of ``dp`` gets its own shard (a ``DistributedSampler`` over the batch dims);
     tp, cp and pp peers get the same batch. ``self.log(..., sync_dist=True)`` reduces over the loss
@@ -55,6 +106,10 @@ class NDParallelStrategy(ModelParallelStrategy):
     Precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` (and ``"16-true"``), as Lightning's
     ``ModelParallelStrategy``, which refuses ``"16-mixed"`` when the Trainer is built.
 
+    With no size argument, every rank is a data-parallel FSDP2 rank (``dp_shard`` = world size), on one
+    node or several. That differs from ``ModelParallelStrategy()``, whose default puts tensor parallel
+    over a node's devices: pass ``data_parallel_size`` / ``tensor_parallel_size`` for Lightning's layout.
+
     Args:
         dp_replicate: data-parallel replicas (HSDP's replicate dim).
         dp_shard: FSDP2 sharding degree; ``-1`` (default) takes the ranks the other dims leave.
@@ -62,6 +117,12 @@ class NDParallelStrategy(ModelParallelStrategy):
         tp: tensor-parallel degree.
         pp: pipeline-parallel degree.
         ep: expert-parallel degree, carved out of ``dp_shard x cp`` (must divide it).
+        data_parallel_size: ``ModelParallelStrategy``'s name for ``dp_shard`` (an int, or ``"auto"``: the
+            number of nodes). Giving it or ``tensor_parallel_size`` selects Lightning's sizes: the other
+            one defaults to ``"auto"``, as in ``ModelParallelStrategy``; ``dp_replicate`` / ``dp_shard``
+            / ``tp`` may then not be given too.
+        tensor_parallel_size: ``ModelParallelStrategy``'s name for ``tp`` (an int, or ``"auto"``: the
+            devices per node).
         loss_normalization: ``None`` (default): ``training_step`` returns the usual per-rank mean
             loss, reduced as Lightning and FSDP do. ``"token_mean"``: the exact global token mean.
             The LightningModule defines ``count_tokens(batch) -> Tensor`` (valid tokens of a raw
@@ -138,6 +199,8 @@ class NDParallelStrategy(ModelParallelStrategy):
         pp: int = 1,
         ep: int = 1,
         *,
+        data_parallel_size: int | Literal["auto"] | None = None,
+        tensor_parallel_size: int | Literal["auto"] | None = None,
         loss_normalization: Literal["token_mean", "sample_mean"] | None = None,
         tp_plan: Mapping[str, ParallelStyle] | None = None,
         fsdp_units: Sequence[type[nn.Module]] = (),
@@ -154,11 +217,25 @@ class NDParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        **unexpected: Any,
     ) -> None:
+        if unexpected:
+            name = next(iter(unexpected))
+            close = difflib.get_close_matches(name, _ACCEPTED, n=1)
+            raise TypeError(
+                f"NDParallelStrategy got an unexpected keyword argument {name!r}"
+                + (f"; did you mean {close[0]!r}?" if close else "")
+                + f" Sizes: {', '.join(_SIZES)} (or Lightning's data_parallel_size / tensor_parallel_size)"
+            )
         sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
-        # every check that needs no world size (dp_shard=-1 resolves to ep here, which ep divides)
-        known = dp_replicate * cp * tp * pp * (ep if dp_shard == -1 else dp_shard)
-        ParallelDims(world_size=known, **sizes)
+        self._lightning_sizes = _lightning_sizes(data_parallel_size, tensor_parallel_size, sizes)
+        # every check that needs no world size (dp_shard=-1, and data_parallel_size="auto" as -1, resolve
+        # to a multiple of ep here)
+        check = _resolve_sizes(sizes, self._lightning_sizes, num_nodes=-1, devices_per_node=1)
+        known = math.prod(v for k, v in check.items() if k not in ("dp_shard", "ep")) * (
+            check["ep"] if check["dp_shard"] == -1 else check["dp_shard"]
+        )
+        ParallelDims(world_size=known, **check)
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -232,18 +309,33 @@ class NDParallelStrategy(ModelParallelStrategy):
             raise RuntimeError("NDParallelStrategy.meshes is available only after the processes start")
         return self._meshes
 
+    @override
     def setup_environment(self) -> None:
-        self.set_world_ranks()
-        self._dims = ParallelDims(world_size=self.world_size, **self._sizes)  # before any collective
+        if self.accelerator is not None:
+            self.accelerator.setup_device(self.root_device)
+        world_size = self.num_nodes * self.num_processes  # what _setup_distributed gives the cluster environment
+        sizes = _resolve_sizes(self._sizes, self._lightning_sizes, self.num_nodes, self.num_processes)
+        product = sizes["dp_shard"] * sizes["tp"] * sizes["cp"] * sizes["pp"]
+        if self._lightning_sizes is not None and product != world_size:
+            raise _SizeMismatchError(
+                f"data_parallel_size={sizes['dp_shard']} x tensor_parallel_size={sizes['tp']} = {product}: the sizes "
+                f"multiplied should equal the world size, {world_size} ({self.num_nodes} node(s) x "
+                f"{self.num_processes} devices)"
+            )
+        self._dims = ParallelDims(world_size=world_size, **sizes)  # before any collective
+        module = self._module
+        if self._dims.pp > 1:
+            self._pipeline = PipelineRunner(self._pp, self.root_device)
+            self._pipeline.check(module, self._plan)
+        elif any(self._plan.values()) and is_overridden("configure_model", module):
+            raise ValueError(
+                f"{type(module).__name__} overrides configure_model() and NDParallelStrategy was given a "
+                "declarative plan (tp_plan / fsdp_units / activation_checkpointing / mp_policy): use one"
+            )
         self._setup_distributed()
         self._meshes = self._dims.build_mesh(self.root_device.type)
         self._device_mesh = self._meshes.world
-        self._module._device_mesh = self._device_mesh
-        if self._dims.pp > 1:
-            self._pipeline = PipelineRunner(self._pp, self._meshes, self.root_device)
-            self._pipeline.install(self._module, self._plan)
-        elif any(self._plan.values()):
-            self._install_declarative_plan(self._module)
+        module._device_mesh = self._device_mesh  # what LightningModule.device_mesh returns, as Lightning sets it
 
     @property
     def window_tokens(self) -> torch.Tensor:
@@ -279,53 +371,75 @@ class NDParallelStrategy(ModelParallelStrategy):
             raise RuntimeError("run_pipeline needs NDParallelStrategy(pp > 1)")
         return self._pipeline.run(inputs, target, training=self._module.trainer.training)
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """With ``pp > 1`` the schedule has already run backward: nothing to do."""
+        """With ``pp > 1`` the schedule has already run backward inside ``training_step``: add the
+        gradients it set aside back (after Lightning zeroed the previous ones), and once a window is
+        complete sum the copies of tied parameters."""
         if self._pipeline is not None:
+            self._pipeline.gradients_back(self._module)
             return closure_loss
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    def _install_declarative_plan(self, module: pl.LightningModule) -> None:
-        """Give a plain LightningModule a ``configure_model`` that applies the strategy's plan, so the
-        Trainer runs it at the usual point (inside the strategy's init context)."""
-        if is_overridden("configure_model", module):
-            raise ValueError(
-                f"{type(module).__name__} overrides configure_model() and NDParallelStrategy was given a "
-                "declarative plan (tp_plan / fsdp_units / activation_checkpointing / mp_policy): use one"
-            )
-        meshes, plan = self.meshes, self._plan
+    def _apply_declarative_plan(self, module: pl.LightningModule) -> None:
+        """Parallelize a LightningModule that has no ``configure_model`` with the strategy's plan (once:
+        a module already holding FSDP2 units, from an earlier ``fit``, is left as it is)."""
+        if any(isinstance(m, FSDPModule) for m in module.modules()):
+            return
+        # the children training_step calls get the root units (the LightningModule's own forward is
+        # usually never called); a LightningModule with its own parameters too
+        roots = [c for c in module.children() if any(True for _ in c.parameters())]
+        if any(True for _ in module.parameters(recurse=False)) or not roots:
+            roots.append(module)
+        parallelize(module, self.meshes, **self._plan, root_units=roots)
 
-        def configure_model() -> None:
-            # the children training_step calls get the root units (the LightningModule's own
-            # forward is usually never called); a LightningModule with its own parameters too
-            roots = [c for c in module.children() if any(True for _ in c.parameters())]
-            if any(True for _ in module.parameters(recurse=False)) or not roots:
-                roots.append(module)
-            parallelize(module, meshes, **plan, root_units=roots)
-
-        module.configure_model = configure_model  # type: ignore[method-assign]
-
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
+        """As ``ModelParallelStrategy.setup``, with the declarative plan or the pipeline split applied
+        first (they take the place of ``configure_model``); then SUM reduction and equal replicas."""
+        module, model = self._module, self._wrapped_model
+        if self.accelerator is not None:
+            self.accelerator.setup(trainer)
         hook = {"token_mean": "count_tokens(batch) -> Tensor, the number of valid tokens in a raw batch",
                 "sample_mean": "sample_ids(batch) -> (ids, num_samples[, valid]) for this rank's tokens"}
         needed = hook.get(self._loss_normalization or "")
-        if needed and not callable(getattr(self.lightning_module, needed.split("(")[0], None)):
+        if needed and not callable(getattr(module, needed.split("(")[0], None)):
             raise TypeError(
                 f"NDParallelStrategy(loss_normalization={self._loss_normalization!r}) needs the "
                 f"LightningModule to define {needed}"
             )
         if self._pipeline is not None:
-            self._pipeline.schedule_user_stages()
-        super().setup(trainer)
-        if self._sum_reduction:
-            if use_sum_reduction(self._wrapped_model) == 0 and self.meshes["dp_cp"].size() > 1:
-                raise ValueError(
-                    "NDParallelStrategy(sum_reduction=True) found no fully_shard unit in the model after "
-                    "configure_model(), so gradients would not be reduced over the data ranks; apply "
-                    "fully_shard there, or leave sum_reduction off"
-                )
+            self._pipeline.setup(module, self.meshes, self._plan)
+        elif any(self._plan.values()):
+            self._apply_declarative_plan(module)
+        elif not is_overridden("configure_model", module):
+            raise TypeError(
+                f"When using the {type(self).__name__}, you are required to override the `configure_model()` hook "
+                "in the LightningModule and apply parallelization there, or to give the strategy a declarative "
+                "plan (fsdp_units=..., tp_plan=...)."
+            )
+        if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+            raise TypeError(
+                "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel`."
+                f" The `{type(self).__name__}` only supports the new FSDP2 APIs in PyTorch >= 2.4."
+            )
+        _compat.materialize_distributed_module(model, self.root_device)
+        self.model = self.precision_plugin.convert_module(model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _compat.optimizers_to_device(self.optimizers, self.root_device)
+        if self._sum_reduction and use_sum_reduction(self._wrapped_model) == 0 and self.meshes["dp_cp"].size() > 1:
+            raise ValueError(
+                "NDParallelStrategy(sum_reduction=True) found no fully_shard unit in the model after "
+                "configure_model(), so gradients would not be reduced over the data ranks; apply "
+                "fully_shard there, or leave sum_reduction off"
+            )
         if self._init_sync:
-            broadcast_replicas_(self._module)
+            broadcast_replicas_(module)
             if self._pipeline is not None:
                 self._pipeline.sync_ties()
 
@@ -343,32 +457,39 @@ class NDParallelStrategy(ModelParallelStrategy):
             if isinstance(unit, FSDPModule):
                 unit.set_requires_gradient_sync(enabled, recurse=False)
 
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._batch_idx = batch_idx  # training_step(batch) alone is a valid signature: keep the index here
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Runs ``training_step`` with FSDP2 reducing only on the last micro-batch of an accumulation
         window and, with ``loss_normalization``, scales its loss sum to a share of the global mean."""
         module = self._module
         trainer = module.trainer
         k = trainer.accumulate_grad_batches
-        batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
         automatic = module.automatic_optimization
         pipeline = self._pipeline
-        if pipeline is not None and automatic and batch_idx % k == 0:  # zero before the schedule
-            pipeline.zero_grad(self.optimizers)
         scale: torch.Tensor | None = None
         if self._windows is None:
-            last = not (automatic and trainer.fit_loop._should_accumulate())
+            last = not (automatic and _compat.should_accumulate(trainer))
             self._set_gradient_sync(last)
             if pipeline is None:
                 return super().training_step(*args, **kwargs)
             pipeline.loss_scale = 1.0 / (self._pp.n_microbatches * k)  # micro-batch means -> window mean
         else:
-            scale, last = self._windows.window_of(batch_idx)
+            scale, last = self._windows.window_of(self._batch_idx)
             self._window_scale = scale
             self._set_gradient_sync(last)
             if pipeline is not None and self._loss_normalization == "token_mean":
                 pipeline.loss_scale = 1.0 / scale.to(torch.float64).clamp(min=1)  # loss sums / N
             elif pipeline is not None:  # sample_mean: per-token losses x weights, no Lightning division
                 pipeline.loss_scale, pipeline.token_weights = 1.0, scale
+        if pipeline is not None and automatic:
+            # the schedule runs backward inside training_step; Lightning zeroes gradients after it and
+            # then calls backward: the step's gradients wait aside until backward() adds them back
+            with pipeline.gradients_aside(module, window_ends=last):
+                return super().training_step(*args, **kwargs)
         if pipeline is not None:
             output = super().training_step(*args, **kwargs)
             if last:

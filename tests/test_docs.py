@@ -87,10 +87,12 @@ def _reexports(tree: ast.Module) -> dict[str, str]:
 
 
 def _modules() -> dict[str, Path]:
-    """``{dotted module name: file}`` for every module of the package."""
+    """``{dotted module name: file}`` for every public module of the package (none named ``_x``)."""
     modules = {}
     for path in sorted(PACKAGE_DIR.rglob("*.py")):
         parts = path.relative_to(ROOT).with_suffix("").parts
+        if any(part.startswith("_") and part != "__init__" for part in parts):
+            continue
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return modules
 
