@@ -271,6 +271,37 @@ def test_trainer_with_pipeline_matches_single_device(dp_shard, schedule, stages_
 
 
 
+class _OwnZeroGradLM(_PipelinedLM):
+    """``training_step(batch)`` without an index, and an ``optimizer_zero_grad`` of its own."""
+
+    def training_step(self, batch):
+        return self.trainer.strategy.run_pipeline(*batch)
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        self.zeroed_at.append((epoch, batch_idx))
+        optimizer.zero_grad()
+
+
+def _own_zero_grad_case() -> dict:
+    use_existing_process_group()
+    module = _OwnZeroGradLM()
+    module.dp, module.zeroed_at = 1, []
+    strategy = nd.NDParallelStrategy(pp=2, pp_split_points=["layers.2"], pp_microbatches=2, loss_normalization="token_mean")
+    r = _fit_two_windows(module, strategy, devices=2)
+    hooks = {"configure_model", "optimizer_zero_grad", "training_step", "backward"}
+    return {"params": r["params"], "zeroed_at": module.zeroed_at, "patched": sorted(hooks & set(vars(module)))}
+
+
+def test_a_pipelined_module_keeps_its_own_hooks_and_matches_single_device():
+    _, expected = _reference_steps(2)
+    for r in run_on_ranks(2, _own_zero_grad_case):
+        # each window is an epoch's two batches: Lightning's hook, once per window, at its first batch
+        assert r["zeroed_at"] == [(0, 0), (1, 0)]
+        assert not r["patched"], f"the strategy set {r['patched']} on the LightningModule"
+        for name, value in r["params"].items():
+            assert float((value - expected[name]).norm() / expected[name].norm()) < 1e-12, name
+
+
 class _TiedPipelinedLM(_PipelinedLM):
     def __init__(self) -> None:
         super().__init__()
