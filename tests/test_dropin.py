@@ -5,6 +5,7 @@ strategy and as one device, and a LightningModule that is never patched."""
 from __future__ import annotations
 
 import warnings
+from unittest import mock
 from unittest.mock import Mock
 
 import lightning as L
@@ -152,3 +153,24 @@ def _auto_case(kwargs: dict) -> tuple:
 def test_sizes_auto_and_default_resolve_as_documented(kwargs, lightning, ours):
     for seen in run_on_ranks(4, _auto_case, kwargs):
         assert seen == (lightning, ours)
+
+
+@pytest.mark.parametrize(
+    "kwargs,expected",
+    [
+        (dict(), "dp_shard=8 x cp=1 x tp=1"),  # no sizes: FSDP2 over every rank of every node
+        (dict(data_parallel_size="auto", tensor_parallel_size="auto"), "dp_shard=2 x cp=1 x tp=4"),  # Lightning's
+        (dict(dp_replicate=2), "dp_replicate=2 x dp_shard=4 x cp=1 x tp=1"),  # e.g. HSDP: replicas across nodes
+    ],
+)
+def test_sizes_on_two_nodes(kwargs, expected):
+    strategy = NDParallelStrategy(**kwargs)
+    strategy._setup_distributed = Mock()  # 2 nodes x 4 devices, mocked as Lightning's own tests do
+    strategy._accelerator = Mock()
+    strategy.cluster_environment = Mock(world_size=Mock(return_value=8), local_rank=Mock(return_value=0))
+    strategy.parallel_devices = [torch.device("cpu")] * 4
+    strategy.num_nodes = 2
+    strategy._lightning_module = Mock()
+    with mock.patch("lightning_ndclip.mesh.ParallelDims.build_mesh"):  # no process group here
+        strategy.setup_environment()
+    assert expected in strategy.parallel_dims.describe()
