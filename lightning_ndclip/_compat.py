@@ -1,29 +1,174 @@
 """Every private (``_``-prefixed) Lightning and PyTorch name the package uses, in one place.
 
-Each entry says why no public API serves. ``tests/test_compat.py`` checks that every one of them
-exists in the installed versions, so an upgrade that drops one fails loudly there, not mid-training.
+Each entry says why no public API serves. :data:`PRIVATE_NAMES` maps every entry to the private
+names it relies on; ``tests/test_compat.py`` checks that each of them exists in the installed
+versions (so an upgrade that drops one fails loudly there, not mid-training), that every entry is
+registered, and that no other module of the package uses a private torch / Lightning name.
+
+The norm's hot paths use the PyTorch entries per tensor per step, so those are aliases bound once
+at import, C-level callables (``operator.attrgetter``), or one call per list (``local_tensors``), never
+a Python call per tensor. Lightning is imported inside the Lightning entries only: the pure-PyTorch
+core imports this module and must import without Lightning.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import operator
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as _checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._foreach_utils import _device_has_foreach_support
+from torch.utils._pytree import tree_leaves as _tree_leaves
 
-__all__ = ["materialize_distributed_module", "optimizers_to_device", "should_accumulate"]
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = [
+    "PRIVATE_NAMES",
+    "StridedShard",
+    "batches_that_stepped",
+    "checkpoint_wrapper",
+    "concatenate_meshes",
+    "device_has_foreach_support",
+    "disable_torch_function_subclass",
+    "dtensor_spec",
+    "flatten_mesh",
+    "foreach_mul_",
+    "foreach_norm",
+    "local_tensors",
+    "materialize_distributed_module",
+    "metadata_filename",
+    "optimizers_to_device",
+    "root_mesh",
+    "save_distributed_checkpoint",
+    "set_device_mesh",
+    "setup_distributed",
+    "should_accumulate",
+    "sync_ddp_if_available",
+    "tree_leaves",
+    "unflatten_mesh",
+    "view_base",
+]
+
+PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
+    # PyTorch
+    "local_tensors": ("torch.distributed.tensor:DTensor._local_tensor",),
+    "dtensor_spec": ("torch.distributed.tensor:DTensor._spec",),
+    "StridedShard": ("torch.distributed.tensor.placement_types:_StridedShard",),
+    "view_base": ("torch:Tensor._base",),
+    "foreach_norm": ("torch:_foreach_norm",),
+    "foreach_mul_": ("torch:_foreach_mul_",),
+    "device_has_foreach_support": ("torch.utils._foreach_utils:_device_has_foreach_support",),
+    "disable_torch_function_subclass": ("torch._C:DisableTorchFunctionSubclass",),
+    "tree_leaves": ("torch.utils._pytree:tree_leaves",),
+    "checkpoint_wrapper": ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper:checkpoint_wrapper",),
+    "flatten_mesh": ("torch.distributed.device_mesh:DeviceMesh._flatten",),
+    "unflatten_mesh": ("torch.distributed.device_mesh:DeviceMesh._unflatten",),
+    "concatenate_meshes": ("torch.distributed.device_mesh:DeviceMesh._concatenate",),
+    "root_mesh": ("torch.distributed.device_mesh:DeviceMesh._get_root_mesh",),
+    # Lightning
+    "materialize_distributed_module": ("lightning.fabric.utilities.init:_materialize_distributed_module",),
+    "optimizers_to_device": ("lightning.fabric.utilities.optimizer:_optimizers_to_device",),
+    "should_accumulate": ("lightning.pytorch.loops.fit_loop:_FitLoop._should_accumulate",),
+    "batches_that_stepped": ("lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop._batches_that_stepped",),
+    "set_device_mesh": (
+        "lightning.pytorch.core.module:LightningModule._device_mesh",
+        "lightning.pytorch.strategies:ModelParallelStrategy._device_mesh",
+    ),
+    "setup_distributed": ("lightning.pytorch.strategies:ModelParallelStrategy._setup_distributed",),
+    "save_distributed_checkpoint": ("lightning.pytorch.strategies:ModelParallelStrategy._save_distributed_checkpoint",),
+    "sync_ddp_if_available": ("lightning.fabric.utilities.distributed:_sync_ddp_if_available",),
+    "metadata_filename": ("lightning.fabric.utilities.load:_METADATA_FILENAME",),
+}
+"""Each entry of this module -> the private names it relies on, as ``"module:Qualified.name"``."""
+
+
+# --- PyTorch -------------------------------------------------------------------------------------
+
+
+def local_tensors(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Each DTensor's local shard, other tensors as they are (reason: ``to_local()`` runs an autograd
+    Function whenever grad mode is on, microseconds per tensor per step; the attribute is the same
+    tensor). One call per list: the attribute read inline costs half what a call per tensor does."""
+    return [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+
+
+dtensor_spec: Callable[[DTensor], Any] = operator.attrgetter("_spec")
+"""A DTensor's spec: placements, mesh and global shape in one object (reason: its identity keys the
+norm's plan cache; the public ``placements`` / ``device_mesh`` / ``shape`` are one property each)."""
+
+StridedShard = _StridedShard
+"""The placement FSDP2 x TP gives a dim sharded by two mesh dims (reason: not exported publicly;
+it must count as ``Shard``, not as an unknown placement)."""
+
+view_base: Callable[[torch.Tensor], torch.Tensor | None] = operator.attrgetter("_base")
+"""The tensor a view was made from, e.g. FSDP2's flat gradient buffer (reason: no public API returns
+it; ``untyped_storage()`` gives bytes, not a tensor with a dtype and an address to compare)."""
+
+foreach_norm = torch._foreach_norm
+"""Per-tensor norms in one multi-tensor kernel (reason: no public foreach API; the kernel
+``torch.nn.utils.clip_grad_norm_`` itself uses)."""
+
+foreach_mul_ = torch._foreach_mul_
+"""In-place multiply of many tensors in one kernel (same reason)."""
+
+device_has_foreach_support = _device_has_foreach_support
+"""Whether a device has the foreach kernels (reason: the rule ``clip_grad_norm_(foreach=None)`` uses
+to pick them; re-deriving it could disagree with torch)."""
+
+disable_torch_function_subclass = torch._C.DisableTorchFunctionSubclass
+"""Context manager skipping tensor subclasses' ``__torch_function__`` (reason: reading ``.grad`` of N
+DTensor parameters without DTensor's Python dispatch per read; no public equivalent)."""
+
+tree_leaves = _tree_leaves
+"""The tensors of a nested output, flattened as torch's pipelining flattens it (reason: torch has no
+public pytree module)."""
+
+checkpoint_wrapper = _checkpoint_wrapper
+"""Wraps a module so its forward is recomputed in backward, state-dict keys unchanged (reason: the
+module-level wrapper FSDP2 recipes use; ``torch.utils.checkpoint`` is a function, not a module)."""
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """A 1-D view over all dims of a sliced mesh, sharing the root's ranks (reason: torch has no public
+    API to flatten mesh dims; ``init_device_mesh`` would make new, unrelated process groups)."""
+    return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: DeviceMesh, dim: int, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """Split one mesh dim into several named ones, as views of the same root (same reason)."""
+    return mesh._unflatten(dim, sizes, names)
+
+
+def concatenate_meshes(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
+    """A mesh whose dims are those of ``meshes``, views of one root (same reason)."""
+    return DeviceMesh._concatenate(list(meshes))
+
+
+root_mesh: Callable[[DeviceMesh], DeviceMesh] = operator.methodcaller("_get_root_mesh")
+"""The mesh a sliced mesh was cut from, which names the ``pp`` dim (reason: no public accessor)."""
+
+
+# --- Lightning (imported here, not at module level: see the module docstring) --------------------
 
 
 def materialize_distributed_module(module: torch.nn.Module, device: torch.device) -> None:
     """Materialize meta-device tensors after parallelization, as ``ModelParallelStrategy.setup`` does
     (reason: our ``setup`` re-states Lightning's so a declarative plan can replace ``configure_model``)."""
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
     _materialize_distributed_module(module, device)
 
 
 def optimizers_to_device(optimizers: Any, device: torch.device) -> None:
     """Move optimizer states to the device, as ``ModelParallelStrategy.setup`` does (same reason)."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
     _optimizers_to_device(optimizers, device)
 
 
@@ -31,3 +176,43 @@ def should_accumulate(trainer: pl.Trainer) -> bool:
     """Whether the current micro-batch is not the last of its accumulation window (reason: the loop's
     own decision; re-deriving it could disagree with Lightning at an epoch's last, partial window)."""
     return trainer.fit_loop._should_accumulate()
+
+
+def batches_that_stepped(trainer: pl.Trainer) -> int:
+    """The step Lightning gives the values ``self.log`` sends to the logger (reason: ``global_step``
+    differs from it with several optimizers or manual optimization; no public counter)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def set_device_mesh(obj: Any, mesh: DeviceMesh) -> None:
+    """Set what the ``device_mesh`` property of a ``ModelParallelStrategy`` or a ``LightningModule``
+    returns (reason: Lightning's own protocol, as its ``setup_environment`` does; neither has a setter)."""
+    obj._device_mesh = mesh
+
+
+def setup_distributed(strategy: Any) -> None:
+    """``ModelParallelStrategy``'s process-group start: world ranks, backend, ``init_process_group``
+    (reason: our ``setup_environment`` checks the sizes before it and builds the mesh after it)."""
+    strategy._setup_distributed()
+
+
+def save_distributed_checkpoint(strategy: Any) -> bool:
+    """``ModelParallelStrategy(save_distributed_checkpoint=...)`` (reason: the flag Lightning's own
+    save / load read; a copy of our own could disagree with it)."""
+    return bool(strategy._save_distributed_checkpoint)
+
+
+def sync_ddp_if_available(tensor: torch.Tensor, group: Any, reduce_op: Any) -> torch.Tensor:
+    """All-reduce over ``group`` with Lightning's ``reduce_op`` semantics ("mean", "sum", ``ReduceOp``),
+    as ``ModelParallelStrategy.reduce`` does (reason: no public function with those semantics)."""
+    from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+    return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+
+def metadata_filename() -> str:
+    """The file of a distributed checkpoint holding Lightning's non-tensor state (reason: Lightning
+    names it only privately; our ``load_checkpoint`` reads what its ``save_checkpoint`` wrote)."""
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    return _METADATA_FILENAME

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_ndclip import _compat
 from lightning_ndclip.norm import GradNorms, grad_norms
 
 __all__ = ["GlobalNormClip"]
@@ -198,7 +199,7 @@ class GlobalNormClip(Callback):
         every = int(self.log_every_n_steps or getattr(trainer, "log_every_n_steps", 1) or 0)
         if trainer.logger is None or every == 0:  # log_every_n_steps=0: Lightning logs nothing
             return False
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped + 1
+        step = _compat.batches_that_stepped(trainer) + 1
         last = trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps
         return step % every == 0 or last
 

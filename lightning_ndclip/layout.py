@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from lightning_ndclip._compat import StridedShard, dtensor_spec, local_tensors
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class TensorLayout:
 
 
 def _placement_kind(placement: object) -> str:
-    if isinstance(placement, (Shard, _StridedShard)):
+    if isinstance(placement, (Shard, StridedShard)):
         return "shard"
     if isinstance(placement, Replicate):
         return "replicate"
@@ -79,11 +80,11 @@ def dim0_padding(tensor: torch.Tensor) -> int:
     """
     if not isinstance(tensor, DTensor):
         return 0
-    spec = tensor._spec
-    on_dim0 = [d for d, p in enumerate(spec.placements) if isinstance(p, (Shard, _StridedShard)) and p.dim == 0]
+    spec = dtensor_spec(tensor)
+    on_dim0 = [d for d, p in enumerate(spec.placements) if isinstance(p, (Shard, StridedShard)) and p.dim == 0]
     if len(on_dim0) != 1 or type(spec.placements[on_dim0[0]]) is not Shard:
         return 0
-    local = tensor._local_tensor
+    local = local_tensors([tensor])[0]
     rows = local.shape[0] if local.dim() else 0
     padded_rows = -(-spec.shape[0] // spec.mesh.size(on_dim0[0]))
     if rows == 0 or rows >= padded_rows:
@@ -103,7 +104,7 @@ def describe(
         signature: tuple = ("plain", tuple(tensor.shape), str(tensor.dtype))
         return TensorLayout(name, signature, (rank,), True, True)
 
-    spec = tensor._spec
+    spec = dtensor_spec(tensor)
     mesh = spec.mesh
     kinds = [_placement_kind(p) for p in spec.placements]
     coordinate = mesh.get_coordinate()

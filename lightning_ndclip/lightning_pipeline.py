@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
+from lightning_ndclip._compat import tree_leaves
 from lightning_ndclip.mesh import ParallelMeshes
 from lightning_ndclip.parallelize import parallelize
 from lightning_ndclip.pipeline import (

@@ -31,6 +31,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_ndclip._compat import concatenate_meshes, flatten_mesh, unflatten_mesh
+
 __all__ = ["LIGHTNING_DIM_NAMES", "MESH_DIM_NAMES", "ParallelDims", "ParallelMeshes"]
 
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -157,11 +159,11 @@ class ParallelDims:
         the world mesh also answers to the views' names and to :data:`LIGHTNING_DIM_NAMES`."""
         ranks = torch.arange(self.world_size, dtype=torch.int).reshape(self.shape)
         world = _WorldMesh(device_type, ranks, mesh_dim_names=MESH_DIM_NAMES)
-        views = {name: world[dims]._flatten(name) for name, dims in _FLATTENED.items()}
-        experts = views["dp_shard_cp"]._unflatten(0, (self.dp_shard * self.cp // self.ep, self.ep), ("edp", "ep"))
+        views = {name: flatten_mesh(world[dims], name) for name, dims in _FLATTENED.items()}
+        experts = unflatten_mesh(views["dp_shard_cp"], 0, (self.dp_shard * self.cp // self.ep, self.ep), ("edp", "ep"))
         views["edp"], views["ep"] = experts["edp"], experts["ep"]
         views["fsdp"] = (
-            DeviceMesh._concatenate([world["dp_replicate"], views["dp_shard_cp"]])
+            concatenate_meshes([world["dp_replicate"], views["dp_shard_cp"]])
             if self.dp_replicate > 1
             else views["dp_shard_cp"]
         )

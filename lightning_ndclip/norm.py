@@ -29,8 +29,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils._foreach_utils import _device_has_foreach_support
 
+from lightning_ndclip._compat import (
+    device_has_foreach_support,
+    disable_torch_function_subclass,
+    dtensor_spec,
+    foreach_mul_,
+    foreach_norm,
+    local_tensors,
+)
 from lightning_ndclip.layout import dim0_padding
 from lightning_ndclip.plan import NormPlan, build_plan
 from lightning_ndclip.runs import RunFinder
@@ -103,13 +110,13 @@ _scale_finders: OrderedDict[tuple, tuple[RunFinder, tuple[int, ...], tuple]] = O
 
 
 def _locals(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+    return local_tensors(tensors)
 
 
 def _layout_key(tensors: Sequence[torch.Tensor]) -> tuple:
     """Identifies a layout cheaply: DTensor specs by identity (the cache keeps them alive), plain
     tensors by shape and dtype."""
-    return tuple([id(t._spec) if isinstance(t, DTensor) else (t.shape, t.dtype) for t in tensors])
+    return tuple([id(dtensor_spec(t)) if isinstance(t, DTensor) else (t.shape, t.dtype) for t in tensors])
 
 
 def _cached_plan(
@@ -146,7 +153,7 @@ def _padding(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
 
 def _specs(tensors: Sequence[torch.Tensor]) -> tuple:
     """The DTensor specs whose ids a layout key holds: a cache entry keeps them alive."""
-    return tuple(t._spec for t in tensors if isinstance(t, DTensor))
+    return tuple(dtensor_spec(t) for t in tensors if isinstance(t, DTensor))
 
 
 def _lru_get(cache: OrderedDict[tuple, V], key: tuple, make: Callable[[], V]) -> V:
@@ -170,7 +177,7 @@ def _by_device_and_dtype(items: Iterable[T], tensors: Iterable[torch.Tensor]) ->
 
 
 def _use_foreach(foreach: bool | None, device: torch.device) -> bool:
-    supported = _device_has_foreach_support(device)
+    supported = device_has_foreach_support(device)
     if foreach and not supported:
         raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
     return supported if foreach is None else foreach
@@ -188,7 +195,7 @@ def _stacked_norms(
     for (group_device, _), indices in groups.items():
         group = list(tensors) if len(groups) == 1 else [tensors[i] for i in indices]
         if _use_foreach(foreach, group_device):
-            norms = list(torch._foreach_norm(group, norm_type, dtype=dtype))
+            norms = list(foreach_norm(group, norm_type, dtype=dtype))
         else:
             norms = [torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in group]
         parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
@@ -394,7 +401,7 @@ def _scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool |
     for (device, _), group in _by_device_and_dtype(tensors, tensors).items():
         c = coef.to(device)
         if _use_foreach(foreach, device):
-            torch._foreach_mul_(group, c)
+            foreach_mul_(group, c)
         else:
             for t in group:
                 t.mul_(c)
@@ -429,7 +436,7 @@ def clip_grads_with_norm_(
 
 
 def _read_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-    with torch._C.DisableTorchFunctionSubclass():  # skips DTensor's __torch_function__ on `.grad`
+    with disable_torch_function_subclass():  # skips DTensor's __torch_function__ on `.grad`
         return [p.grad for p in params]
 
 

@@ -10,10 +10,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from lightning_ndclip._compat import checkpoint_wrapper
 from lightning_ndclip.mesh import ParallelMeshes
 
 __all__ = ["parallelize"]

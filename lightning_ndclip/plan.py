@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_ndclip._compat import root_mesh
 from lightning_ndclip.layout import TensorLayout, describe
 
 PP_DIM_NAME = "pp"
@@ -80,7 +81,7 @@ def pipeline_stage(tensors: Sequence[torch.Tensor], pp_mesh: DeviceMesh | None) 
         return pp_mesh.get_local_rank()
     for t in tensors:
         if isinstance(t, DTensor):
-            root = t.device_mesh._get_root_mesh()
+            root = root_mesh(t.device_mesh)
             if root.mesh_dim_names and PP_DIM_NAME in root.mesh_dim_names:
                 return root.get_local_rank(PP_DIM_NAME)
     return 0

@@ -21,6 +21,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_ndclip._compat import local_tensors
+
 __all__ = ["broadcast_replicas_"]
 
 
@@ -63,8 +65,7 @@ def broadcast_replicas_(
     Returns:
         The number of broadcasts issued: one per (group of ranks, dtype, device).
     """
-    if isinstance(tensors, nn.Module):
-        tensors = [*tensors.parameters(), *tensors.buffers()]
+    tensors = [*tensors.parameters(), *tensors.buffers()] if isinstance(tensors, nn.Module) else list(tensors)
     buckets: dict[tuple, tuple[int, dist.ProcessGroup, list[torch.Tensor]]] = {}
 
     def add(local: torch.Tensor, mesh: DeviceMesh, dim: int) -> None:
@@ -74,8 +75,7 @@ def broadcast_replicas_(
         key = (tuple(dist.get_process_group_ranks(group)), src, local.dtype, local.device)
         buckets.setdefault(key, (src, group, []))[2].append(local)
 
-    for t in tensors:
-        local = t._local_tensor if isinstance(t, DTensor) else t
+    for t, local in zip(tensors, local_tensors(tensors)):
         if local.numel() == 0 or local.is_meta:  # nothing to copy (meta: not materialized yet)
             continue
         if isinstance(t, DTensor):

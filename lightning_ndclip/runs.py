@@ -31,6 +31,8 @@ from typing import cast
 
 import torch
 
+from lightning_ndclip._compat import view_base
+
 
 @dataclass(frozen=True)
 class _Group:
@@ -75,7 +77,7 @@ def _spans(
 
 
 def _buffer(view: torch.Tensor) -> torch.Tensor:
-    return cast(torch.Tensor, view._base)
+    return cast(torch.Tensor, view_base(view))
 
 
 def _piece(base: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -131,7 +133,7 @@ class RunFinder:
             return None
         if not self._groups:
             return []
-        maybe_bases = [locals_[g.head]._base for g in self._groups]
+        maybe_bases = [view_base(locals_[g.head]) for g in self._groups]
         if not all(
             [
                 b is not None and b.numel() == g.numel and b.dtype == g.dtype and b.is_contiguous()
@@ -160,7 +162,7 @@ class RunFinder:
         for i, t in enumerate(locals_):
             if t.numel() == 0:
                 continue
-            base = t._base
+            base = view_base(t)
             if (
                 base is not None
                 and base.is_contiguous()

@@ -14,9 +14,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -332,10 +331,10 @@ class NDParallelStrategy(ModelParallelStrategy):
                 f"{type(module).__name__} overrides configure_model() and NDParallelStrategy was given a "
                 "declarative plan (tp_plan / fsdp_units / activation_checkpointing / mp_policy): use one"
             )
-        self._setup_distributed()
+        _compat.setup_distributed(self)
         self._meshes = self._dims.build_mesh(self.root_device.type)
-        self._device_mesh = self._meshes.world
-        module._device_mesh = self._device_mesh  # what LightningModule.device_mesh returns, as Lightning sets it
+        _compat.set_device_mesh(self, self._meshes.world)  # what self.device_mesh and module.device_mesh return
+        _compat.set_device_mesh(module, self._meshes.world)
 
     @property
     def window_tokens(self) -> torch.Tensor:
@@ -519,13 +518,16 @@ class NDParallelStrategy(ModelParallelStrategy):
         # flattened keys (one per parameter): pipeline stages hold different parameters, and a single
         # shared "param_groups" entry would be written once for all of them
         return StateDictOptions(
-            full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True, flatten_optimizer_state_dict=True
+            full_state_dict=not _compat.save_distributed_checkpoint(self),
+            cpu_offload=True,
+            flatten_optimizer_state_dict=True,
         )
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if self._dims is None or self._dims.pp == 1:
             return super().optimizer_state(optimizer)
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
         return get_optimizer_state_dict(self._wrapped_model, optimizer, options=self._optimizer_options())
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -544,7 +546,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=self._module.strict_loading))
         for i, optimizer in enumerate(self.optimizers):
             set_optimizer_state_dict(model, optimizer, optim_state_dict=state[f"optimizer_{i}"], options=options)
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        return torch.load(path / _compat.metadata_filename(), weights_only=weights_only)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -557,7 +559,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         """Reduce over the loss dims ``dp_cp`` by default (tp and pp peers hold copies)."""
         if isinstance(tensor, torch.Tensor):
             group = group if group is not None else self.meshes["dp_cp"].get_group()
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return _compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @classmethod
