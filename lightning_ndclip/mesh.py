@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, fields
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ndclip._compat import concatenate_meshes, flatten_mesh, unflatten_mesh
@@ -64,6 +65,10 @@ class _WorldMesh(DeviceMesh):
                 return views[name]
             names = name
         return super().__getitem__(names)
+
+
+_BUILT: dict[tuple, ParallelMeshes] = {}
+"""The meshes built in this process, by (default process group, device type, shape, ep)."""
 
 
 class _SizeMismatchError(ValueError, RuntimeError):
@@ -156,7 +161,20 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> ParallelMeshes:
         """The world mesh with every dim of :data:`MESH_DIM_NAMES` (size-1 dims included, so names
         are stable) and the views ``dp``, ``dp_shard_cp``, ``dp_cp``, ``fsdp``, ``edp`` and ``ep``;
-        the world mesh also answers to the views' names and to :data:`LIGHTNING_DIM_NAMES`."""
+        the world mesh also answers to the views' names and to :data:`LIGHTNING_DIM_NAMES`.
+
+        Built once per layout and default process group: a later call (a second Trainer in the same
+        process) returns the same meshes, so no process groups pile up and DTensors made on them
+        stay valid. Collective on the first call of a layout."""
+        world_group = dist.group.WORLD
+        for stale in [k for k in _BUILT if k[0] is not world_group]:  # the process group was re-created
+            del _BUILT[stale]
+        key = (world_group, device_type, self.shape, self.ep)
+        if key not in _BUILT:
+            _BUILT[key] = self._new_mesh(device_type)
+        return _BUILT[key]
+
+    def _new_mesh(self, device_type: str) -> ParallelMeshes:
         ranks = torch.arange(self.world_size, dtype=torch.int).reshape(self.shape)
         world = _WorldMesh(device_type, ranks, mesh_dim_names=MESH_DIM_NAMES)
         views = {name: flatten_mesh(world[dims], name) for name, dims in _FLATTENED.items()}
