@@ -95,6 +95,13 @@ class _CachedPlan:
     padding: tuple[int, ...]  # per tensor, FSDP padding after its local piece (see runs.py)
     finder: RunFinder = field(default_factory=RunFinder)
     constants: dict = field(default_factory=dict)  # device tensors made once (no per-call copies)
+    _uncounted: tuple[int, ...] | None = None
+
+    def uncounted(self) -> tuple[int, ...]:
+        """Indices of the local tensors this rank holds but does not count (copies counted elsewhere)."""
+        if self._uncounted is None:
+            self._uncounted = tuple(i for i, counted in enumerate(self.plan.counted) if not counted)
+        return self._uncounted
 
     def constant(self, key: tuple, device: torch.device, dtype: torch.dtype, make: Callable[[], list]) -> torch.Tensor:
         """``torch.tensor(make())`` on ``device``, built on first use and cached under ``key``."""
@@ -301,6 +308,14 @@ def _global_norm(
         local = _combine(per_slot, is_inf)
     else:
         local = _combine(powers(runs.to_norm), is_inf)
+    uncounted = entry.uncounted()
+    if uncounted and plan.needs_collective:
+        # copies this rank does not count (replicas counted elsewhere) can still hold an inf or nan
+        # that would make the replicas diverge: one pass over them, and a nan rides in the local value
+        copies = [locals_[i] for i in uncounted if locals_[i].numel()]
+        if copies:
+            check = _stacked_norms(copies, 1.0, torch.float64, foreach, device).sum()
+            local = torch.where(torch.isfinite(check), local, math.nan)
 
     if plan.needs_collective:
         local, per_slot = _all_reduce(local, per_slot, is_inf, plan, entry, device)

@@ -176,6 +176,28 @@ def test_nonfinite_on_one_rank_is_nonfinite_everywhere(bad):
             assert math.isnan(two) and math.isnan(inf)
 
 
+def _nonfinite_copy_case(bad, tp_rank):
+    """A tensor-parallel Replicate gradient: only one tp rank's copy is counted; a non-finite value
+    in any copy must still make the norm non-finite on every rank."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    sharded = distribute_tensor(_full((8, 3), 0), mesh, [Shard(0), Shard(1)])
+    replicated = distribute_tensor(_full((5,), 1), mesh, [Shard(0), Replicate()])
+    nd.get_total_norm([sharded, replicated])  # the plan, cached
+    if mesh["tp"].get_local_rank() == tp_rank:
+        replicated.to_local()[0] = bad
+    out = [float(nd.get_total_norm([sharded, replicated], p)) for p in (2.0, math.inf)]
+    with pytest.raises(RuntimeError, match="non-finite"):
+        nd.get_total_norm([sharded, replicated], error_if_nonfinite=True)
+    return out
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_nonfinite_copy_that_is_not_counted_is_nonfinite_everywhere(bad, tp_rank):
+    for two, inf in run_on_ranks(4, _nonfinite_copy_case, bad, tp_rank):
+        assert not math.isfinite(two) and not math.isfinite(inf)
+
+
 def _nonfinite_per_parameter_case():
     """Parameter k holds a nan on rank k only (one per rank position); the last one is clean."""
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
