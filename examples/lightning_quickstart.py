@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import warnings
+from typing import Any
 
 import lightning as L
 import torch
@@ -46,25 +47,34 @@ class Regressor(L.LightningModule):
         return DataLoader(TensorDataset(x, y), batch_size=32)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=60)
     parser.add_argument("--max-norm", type=float, default=1.0)
     parser.add_argument("--logdir", default="runs")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """NDParallelStrategy's arguments: the declarative plan that parallelizes ``Regressor``."""
+    plan = {"net.0": ColwiseParallel(), "net.2": RowwiseParallel()} if args.tp > 1 else None
+    return dict(tp=args.tp, tp_plan=plan, fsdp_units=(nn.Linear,))
+
+
+def main() -> None:
+    args = parse_args()
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     if "OMP_NUM_THREADS" not in os.environ:  # Lightning sets it on rank 0 only
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))  # the ranks share the cores
 
-    plan = {"net.0": ColwiseParallel(), "net.2": RowwiseParallel()} if args.tp > 1 else None
     clip = GlobalNormClip(args.max_norm, log_module_depth=2)
     logger = TensorBoardLogger(args.logdir, name="quickstart")
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=NDParallelStrategy(tp=args.tp, tp_plan=plan, fsdp_units=(nn.Linear,)),
+        strategy=NDParallelStrategy(**strategy_kwargs(args)),
         callbacks=[clip],
         logger=logger,
         max_steps=args.max_steps,

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -29,6 +29,16 @@ import lightning_ndclip as nd
 def build_model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 7)).double()
+
+
+def parallelize(model: nn.Sequential, mesh: DeviceMesh) -> nn.Sequential:
+    """Tensor parallel on the first two layers only (when the ``tp`` dim is > 1), FSDP2 over ``dp_shard``."""
+    if mesh["tp"].size() > 1:
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for i in (0, 2, 4):
+        fully_shard(model[i], mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    return model
 
 
 def batches(dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -51,12 +61,7 @@ def worker(rank: int, world: int, dp: int, tp: int, max_norm: float, port: int) 
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
-    model = build_model()
-    if tp > 1:
-        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    for i in (0, 2, 4):
-        fully_shard(model[i], mesh=mesh["dp_shard"])
-    fully_shard(model, mesh=mesh["dp_shard"])
+    model = parallelize(build_model(), mesh)
     x, y = batches(dp)[mesh["dp_shard"].get_local_rank()]
     nn.functional.mse_loss(model(x), y).backward()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import warnings
+from typing import Any
 
 import lightning as L
 import torch
@@ -54,8 +55,10 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         b, s, _ = h.shape
-        qkv = self.qkv(self.norm1(h))  # under TP: this rank's heads only
-        q, k, v = qkv.view(b, s, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
+        # the fused rows are head-major (q, k, v of head 0, then of head 1, ...), so the contiguous row
+        # block ColwiseParallel gives each TP rank holds whole heads' q, k and v: -1 is the local head count
+        qkv = self.qkv(self.norm1(h))
+        q, k, v = qkv.view(b, s, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         h = h + self.proj(a.transpose(1, 2).reshape(b, s, -1))
         return h + self.fc2(F.gelu(self.fc1(self.norm2(h))))
@@ -89,24 +92,16 @@ class LitGPT(L.LightningModule):
         return (batch[1] != -100).sum()
 
     def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        # per-token losses: a pipeline micro-batch's mean could not be weighted by its token count
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
 
-    def training_step(self, batch, batch_idx):
+    def training_step(self, batch):
         tokens, labels = batch
-        strategy = self.trainer.strategy
-        if self.args.pp > 1:  # the schedule ran forward and backward; this is the loss / N already
-            loss = share = strategy.run_pipeline(tokens, labels)
-        else:  # return the loss SUM: the strategy divides by the window's global token count N
-            loss = self.pipeline_loss(self.model(tokens), labels)
-            share = loss.detach() / strategy.window_tokens
-        # this rank's exact share of the window's mean loss; summed over the window and the data
-        # ranks it is the single-device mean of the whole window
-        self._window_loss = getattr(self, "_window_loss", 0.0) + share.detach().double()
-        last_of_epoch = batch_idx + 1 == self.trainer.num_training_batches  # a shorter last window
-        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0 or last_of_epoch:
-            self.log("train/loss", self._window_loss, prog_bar=True, sync_dist=True, reduce_fx="sum")
-            self._window_loss = 0.0
-        return loss
+        if self.args.pp > 1:  # the schedule runs forward and backward of every micro-batch
+            return self.trainer.strategy.run_pipeline(tokens, labels)
+        # the mean, as usual: the strategy weighs it by this micro-batch's tokens over the window's
+        # global count, and logs the exact window mean as train/loss
+        return F.cross_entropy(self.model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.args.lr, weight_decay=0.01)
@@ -116,7 +111,7 @@ class LitGPT(L.LightningModule):
         return DataLoader(data, batch_size=self.args.batch_size, shuffle=True)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_launch_args(p)
     p.add_argument("--dp-shard", type=int, default=-1)
@@ -132,12 +127,16 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--lr", type=float, default=3e-3)
-    args = p.parse_args()
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    share_cpu_threads(args.accelerator, args.devices)
+    return p.parse_args(argv)
 
+
+def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """NDParallelStrategy's arguments: the mesh sizes and the declarative plan (TP plan, FSDP2 units,
+    pipeline split) that parallelizes ``LitGPT``."""
     tp_plan = None
     if args.tp > 1:
+        if args.heads % args.tp:
+            raise ValueError(f"--heads {args.heads} must be divisible by --tp {args.tp}: each TP rank holds whole heads")
         tp_plan = {f"model.layers.{i}.{n}": style for i in range(args.layers)
                    for n, style in (("qkv", ColwiseParallel()), ("proj", RowwiseParallel()),
                                     ("fc1", ColwiseParallel()), ("fc2", RowwiseParallel()))}
@@ -146,10 +145,18 @@ def main() -> None:
         per_stage = args.layers // args.pp
         pipeline = {"pp_split_points": [f"layers.{per_stage * s}" for s in range(1, args.pp)], "pp_microbatches": 2}
         tp_plan = None  # TP inside pipeline stages: see docs/pipeline.md (a parallelize_stage hook)
-    strategy = NDParallelStrategy(
+    return dict(
         dp_shard=args.dp_shard, tp=args.tp if args.pp == 1 else 1, pp=args.pp, tp_plan=tp_plan,
-        fsdp_units=(Block,), loss_normalization="token_mean", **pipeline,
+        fsdp_units=(Block,), loss_normalization="token_mean", log_loss="train/loss", **pipeline,
     )
+
+
+def main() -> None:
+    args = parse_args()
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    share_cpu_threads(args.accelerator, args.devices)
+
+    strategy = NDParallelStrategy(**strategy_kwargs(args))
     clip = GlobalNormClip(args.max_norm, log_module_depth=1)
     logger = TensorBoardLogger(args.logdir, name="gpt")
     trainer = L.Trainer(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import warnings
+from typing import Any
 
 import lightning as L
 import torch
@@ -34,7 +35,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ndclip import GlobalNormClip, NDParallelStrategy
+from lightning_ndclip import GlobalNormClip, NDParallelStrategy, ParallelMeshes
 from lightning_ndclip.experts import MoE, shard_experts
 
 EXPERT_PATTERN = r"\.experts\."
@@ -99,39 +100,34 @@ class MoELM(nn.Module):
         return self.head(self.norm(h))
 
 
+def parallelize_moe(model: MoELM, meshes: ParallelMeshes) -> MoELM:
+    """Experts over ``ep`` (and FSDP over ``edp``); every other weight FSDP over all data ranks."""
+    for block in model.blocks:
+        shard_experts(block.moe, meshes["ep"])
+        fully_shard(block.moe.experts, mesh=meshes["edp"])
+        fully_shard(block, mesh=meshes["fsdp"])
+    fully_shard(model, mesh=meshes["fsdp"])
+    return model
+
+
 class LitMoE(L.LightningModule):
-    """Returns the loss sum; the strategy divides it by the global valid-token count."""
+    """Returns the usual mean loss; the strategy makes it the exact global token mean."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
         self.args = args
         self.model = MoELM(args.vocab, args.width, args.layers, args.heads, args.experts, args.seq_len)
-        self._window_loss: torch.Tensor | float = 0.0
 
     def configure_model(self) -> None:
-        """Experts over ``ep`` (and FSDP over ``edp``); every other weight FSDP over all data ranks."""
-        meshes = self.trainer.strategy.meshes
-        for block in self.model.blocks:
-            shard_experts(block.moe, meshes["ep"])
-            fully_shard(block.moe.experts, mesh=meshes["edp"])
-            fully_shard(block, mesh=meshes["fsdp"])
-        fully_shard(self.model, mesh=meshes["fsdp"])
+        parallelize_moe(self.model, self.trainer.strategy.meshes)
 
     def count_tokens(self, batch: list[torch.Tensor]) -> torch.Tensor:  # the strategy's global token count
         return (batch[1] != -100).sum()
 
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: list[torch.Tensor]) -> torch.Tensor:
         tokens, labels = batch
         logits = self.model(tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-        # this rank's exact share of the window's mean loss; summed over the window and the data
-        # ranks it is the single-device mean of the whole window
-        self._window_loss = self._window_loss + loss.detach().double() / self.trainer.strategy.window_tokens
-        last_of_epoch = batch_idx + 1 == self.trainer.num_training_batches  # a shorter last window
-        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0 or last_of_epoch:
-            self.log("train/loss", self._window_loss, prog_bar=True, sync_dist=True, reduce_fx="sum")
-            self._window_loss = 0.0
-        return loss
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.args.lr, weight_decay=0.01)
@@ -141,7 +137,7 @@ class LitMoE(L.LightningModule):
         return DataLoader(data, batch_size=self.args.batch_size, shuffle=True)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_launch_args(p)
     p.add_argument("--dp-shard", type=int, default=-1)
@@ -159,11 +155,20 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--log-every-n-steps", type=int, default=5)
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """NDParallelStrategy's arguments (``LitMoE.configure_model`` parallelizes with its meshes)."""
+    return dict(dp_shard=args.dp_shard, ep=args.ep, loss_normalization="token_mean", log_loss="train/loss")
+
+
+def main() -> None:
+    args = parse_args()
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     share_cpu_threads(args.accelerator, args.devices)
 
-    strategy = NDParallelStrategy(dp_shard=args.dp_shard, ep=args.ep, loss_normalization="token_mean")
+    strategy = NDParallelStrategy(**strategy_kwargs(args))
     clip = GlobalNormClip(args.max_norm, expert_pattern=EXPERT_PATTERN)
     logger = TensorBoardLogger(args.logdir, name="moe")
     trainer = L.Trainer(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import warnings
+from typing import Any
 
 import lightning as L
 import torch
@@ -153,6 +154,16 @@ class VideoDiT(nn.Module):
         return self.head(self.norm(h))
 
 
+def cp_forward(
+    model: VideoDiT, batch: list[torch.Tensor], rank: int, size: int, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This cp rank's part of every row of ``batch`` through ``model``: ``(prediction, target)``."""
+    parts = [shard_sequence(tensor, rank, size) for tensor in batch]  # this rank's part of each row
+    x_t, target, t, frame, patch, ids = (local for local, _ in parts)
+    positions = parts[0][1]
+    return model(x_t, t, frame, patch, positions, ids, group), target
+
+
 class LitVideoDiT(L.LightningModule):
     """The per-token denoising loss; the strategy turns it into the exact per-clip mean."""
 
@@ -160,7 +171,6 @@ class LitVideoDiT(L.LightningModule):
         super().__init__()
         self.args = args
         self.model = VideoDiT(args)
-        self._window_loss: torch.Tensor | float = 0.0
 
     def _cp(self) -> tuple[int, int, dist.ProcessGroup]:
         cp = self.trainer.strategy.meshes["cp"]
@@ -177,22 +187,8 @@ class LitVideoDiT(L.LightningModule):
         return shard_sequence(numbered, rank, size)[0], int(clips_per_row.sum())
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        rank, size, group = self._cp()
-        parts = [shard_sequence(tensor, rank, size) for tensor in batch]  # this rank's part of each row
-        x_t, target, t, frame, patch, ids = (local for local, _ in parts)
-        positions = parts[0][1]
-        prediction = self.model(x_t, t, frame, patch, positions, ids, group)
+        prediction, target = cp_forward(self.model, batch, *self._cp())
         return F.mse_loss(prediction, target, reduction="none").mean(-1)  # per token: the strategy weighs them
-
-    def on_train_batch_end(self, outputs: dict[str, torch.Tensor], batch: list[torch.Tensor], batch_idx: int) -> None:
-        # outputs["loss"]: this rank's exact share of the window's per-clip mean (the strategy's weighted
-        # sum, divided by accumulate_grad_batches by Lightning); summed over the window and the
-        # dp x cp ranks it is the single-device loss of the whole window
-        self._window_loss = self._window_loss + outputs["loss"].detach().double()
-        last_of_epoch = batch_idx + 1 == self.trainer.num_training_batches  # a shorter last window
-        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0 or last_of_epoch:
-            self.log("train/loss", self._window_loss, prog_bar=True, sync_dist=True, reduce_fx="sum")
-            self._window_loss = 0.0
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.args.lr, weight_decay=0.01)
@@ -201,7 +197,7 @@ class LitVideoDiT(L.LightningModule):
         return DataLoader(packed_video_latents(self.args), batch_size=self.args.batch_size, shuffle=True)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_launch_args(p)
     p.add_argument("--dp-shard", type=int, default=-1)
@@ -220,13 +216,21 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--log-every-n-steps", type=int, default=5)
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """NDParallelStrategy's arguments: the mesh sizes and the declarative plan that parallelizes ``LitVideoDiT``."""
+    return dict(dp_shard=args.dp_shard, cp=args.cp, fsdp_units=(DiTBlock,), loss_normalization="sample_mean",
+                log_loss="train/loss")
+
+
+def main() -> None:
+    args = parse_args()
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     share_cpu_threads(args.accelerator, args.devices)
 
-    strategy = NDParallelStrategy(
-        dp_shard=args.dp_shard, cp=args.cp, fsdp_units=(DiTBlock,), loss_normalization="sample_mean"
-    )
+    strategy = NDParallelStrategy(**strategy_kwargs(args))
     clip = GlobalNormClip(args.max_norm, log_module_depth=2)  # grad_norm/model.blocks, model.head, ...
     logger = TensorBoardLogger(args.logdir, name="video_dit")
     trainer = L.Trainer(

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_ndclip._compat import tree_leaves
+from lightning_ndclip.loss import TokenCount
 from lightning_ndclip.mesh import ParallelMeshes
 from lightning_ndclip.parallelize import parallelize
 from lightning_ndclip.pipeline import (
@@ -67,8 +68,12 @@ class PipelineRunner:
         self.device = device
         self.meshes: ParallelMeshes | None = None
         self.schedule: Any = None  # a torch.distributed.pipelining schedule, once set up
-        # multiplies pipeline_loss: micro-batch values -> their share of the window's loss
+        # multiplies pipeline_loss: micro-batch means -> their share of the window's mean
         self.loss_scale: float | torch.Tensor = 1.0
+        # token_mean: the window's count; pipeline_loss returns per-token losses or (loss_reduction
+        # "sum") their sum, and a micro-batch's loss is its share of the global token mean
+        self.token_count: TokenCount | None = None
+        self.loss_reduction = "mean"
         # sample_mean: per-token weights of the batch (rows like the target's); pipeline_loss then
         # returns per-token losses and a micro-batch's loss is their weighted sum
         self.token_weights: torch.Tensor | None = None
@@ -197,7 +202,16 @@ class PipelineRunner:
             return sum((t.sum() * 0.0 for t in leaves), torch.zeros((), device=self.device))
 
     def _scaled_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        weights = self.token_weights
+        weights, count = self.token_weights, self.token_count
+        if count is not None:
+            loss = self._module.pipeline_loss(output, target)
+            if loss.dim() == 0 and self.loss_reduction == "mean":
+                raise ValueError(
+                    "with pp > 1 and loss_normalization='token_mean', pipeline_loss must return per-token losses "
+                    "(e.g. cross_entropy(..., reduction='none')) or, with NDParallelStrategy(loss_reduction='sum'), "
+                    "their sum: a micro-batch's mean cannot be weighted by its tokens"
+                )
+            return count.share(loss, None, self.loss_reduction)
         if weights is None or self._target is None:
             loss = self._module.pipeline_loss(output, target)
             return (loss if loss.dim() == 0 else loss.sum()) * self.loss_scale
@@ -255,7 +269,7 @@ class PipelineRunner:
         rank, size = pp_mesh.get_local_rank(), pp_mesh.size()
         run = self.schedule.step if training else self.schedule.eval
         if not training:  # evaluation: the plain sum of pipeline_loss over micro-batches
-            self.loss_scale, self.token_weights = 1.0, None
+            self.loss_scale, self.token_weights, self.token_count = 1.0, None, None
         self._target, self._loss_error = None, None
         if self.token_weights is not None:  # checked on every rank (all get the target): none is left waiting
             if not isinstance(target, torch.Tensor) or target.shape[0] != self.token_weights.shape[0]:

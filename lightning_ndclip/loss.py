@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,15 +62,64 @@ class TokenCount:
     Attributes:
         total: :math:`N`, valid tokens over the group and every micro-batch (0-dim int64 tensor).
         empty: ``total == 0`` as a 0-dim bool tensor (the step has nothing to learn from).
+        invalid: how many local counts, over the group, were not finite non-negative integers
+            (0-dim int64; on CPU such a count raises instead, see :func:`sync_token_count`).
     """
 
     total: torch.Tensor
     empty: torch.Tensor
+    invalid: torch.Tensor | None = None
 
     def normalize(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """``loss_sum / N``: the local sum of per-token losses scaled to its share of the global
-        mean (zero, not NaN, when ``N == 0``)."""
-        return loss_sum / self.total.clamp(min=1).to(loss_sum.dtype)
+        mean (zero, not NaN, when ``N == 0``; NaN when a count was invalid)."""
+        share = loss_sum / self.total.clamp(min=1).to(loss_sum.dtype)
+        return share if self.invalid is None else torch.where(self.invalid > 0, torch.nan, share)
+
+    def share(self, loss: torch.Tensor, local_tokens: torch.Tensor | None, reduction: str = "mean") -> torch.Tensor:
+        """This micro-batch's share of the global token mean, :math:`\\sum_{i\\ \text{local}} \\ell_i / N`,
+        from what a ``training_step`` returns:
+
+        * per-token losses (any non-scalar shape, ignored tokens 0, as ``cross_entropy(...,
+          reduction="none")`` gives them): summed;
+        * a scalar with ``reduction="mean"``: the mean over this micro-batch's ``local_tokens`` valid
+          tokens (``cross_entropy``'s default), times ``local_tokens`` (zero, not NaN, when it has none);
+        * a scalar with ``reduction="sum"``: the sum itself.
+        """
+        if loss.dim() > 0:
+            loss_sum = loss.sum()
+        elif reduction == "sum":
+            loss_sum = loss
+        elif reduction == "mean":
+            if local_tokens is None:
+                raise ValueError("a mean loss needs its micro-batch's token count to become a share of the global mean")
+            count = local_tokens.to(device=loss.device)
+            loss_sum = torch.where(count > 0, loss * count.to(loss.dtype), torch.zeros_like(loss))
+        else:
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        return self.normalize(loss_sum)
+
+
+def _invalid_counts(counts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """How many of ``counts`` are not finite non-negative integers (0-dim int64, on their device)."""
+    bad = [~(torch.isfinite(c) & (c >= 0) & (c == c.round())) if c.is_floating_point() else c < 0 for c in counts]
+    return torch.stack([b.any() for b in bad]).sum() if bad else torch.zeros((), dtype=torch.int64)
+
+
+def _invalid_count_message(counts: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> str:
+    """The same message on every rank of ``group``: which rank's micro-batches had which counts."""
+    mine = [
+        f"micro-batch {m}: {c.tolist()}"
+        for m, c in enumerate(counts)
+        if bool(_invalid_counts([c]))
+    ]
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    gathered: list[Any] = [(rank, mine)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (rank, mine), group=group)
+    where = "; ".join(f"rank {r}, {', '.join(m)}" for r, m in gathered if m)
+    return f"token counts must be finite non-negative integers, got {where}"
 
 
 def sync_token_count(
@@ -77,18 +127,26 @@ def sync_token_count(
 ) -> TokenCount:
     """Sum the valid-token counts of this rank's micro-batches over ``group``: one all-reduce.
 
+    Every count must be a finite, non-negative integer (an integer tensor, or a float one holding
+    an integer value). A bad count on any rank makes every rank of ``group`` raise the same
+    ``ValueError``, naming the rank and the micro-batch; on accelerators, where reading the check
+    would make the host wait, the count's :meth:`TokenCount.normalize` returns NaN instead (the step
+    is then non-finite everywhere).
+
     Args:
         local_counts: the count of each micro-batch of the optimizer step on this rank (or their
             sum), e.g. from :func:`count_valid_tokens`.
         group: every rank whose tokens enter the mean: the data-parallel *and* context-parallel
             ranks (not tp or pp peers, which see the same tokens). Default: the world.
     """
-    if isinstance(local_counts, torch.Tensor):
-        total = local_counts.detach().to(torch.int64).sum().clone()
-    else:
-        total = torch.stack([c.detach().to(torch.int64).sum() for c in local_counts]).sum()
-    _all_reduce(total, group)
-    return TokenCount(total=total, empty=total == 0)
+    counts = [local_counts] if isinstance(local_counts, torch.Tensor) else list(local_counts)
+    counts = [torch.as_tensor(c).detach() for c in counts]
+    invalid = _invalid_counts(counts)
+    total = torch.stack([c.to(torch.int64).sum() for c in counts]).sum()
+    total, invalid = _all_reduce(torch.stack([total, invalid.to(total.device)]), group).unbind()
+    if total.device.type == "cpu" and invalid:
+        raise ValueError(_invalid_count_message(counts, group))
+    return TokenCount(total=total, empty=total == 0, invalid=invalid)
 
 
 def sample_ids_from_lengths(lengths: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ applies when it is given a plan instead of a ``configure_model`` hook. Usable wi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
@@ -29,6 +30,13 @@ def _replace_children(module: nn.Module, classes: tuple[type[nn.Module], ...]) -
         else:
             count += _replace_children(child, classes)
     return count
+
+
+def _matches(name: str, key: str) -> bool:
+    """Whether a module name matches a plan key part by part, ``*`` standing for one part (as in
+    ``parallelize_module``)."""
+    parts, patterns = name.split("."), key.split(".")
+    return len(parts) == len(patterns) and all(fnmatchcase(p, q) for p, q in zip(parts, patterns))
 
 
 def parallelize(
@@ -61,12 +69,19 @@ def parallelize(
             unit's parameters in that unit's forward.
 
     Raises:
-        ValueError: naming the argument, when a class matches no submodule or a TP plan is given
-            without a ``tp`` dim.
+        ValueError: naming the argument, when a class or a ``tp_plan`` key matches no submodule, or
+            a TP plan is given without a ``tp`` dim.
     """
     if tp_plan:
         if meshes["tp"].size() == 1:
             raise ValueError("tp_plan was given but tp=1; set tp > 1 or drop tp_plan")
+        names = [name for name, _ in module.named_modules() if name]
+        unmatched = [key for key in tp_plan if not any(_matches(name, key) for name in names)]
+        if unmatched:
+            raise ValueError(
+                f"tp_plan entries {unmatched} match no submodule of {type(module).__name__} (names are relative to "
+                f"it, e.g. {names[:3]}; '*' matches one name part)"
+            )
         parallelize_module(module, meshes["tp"], dict(tp_plan))
     if activation_checkpointing:
         classes = tuple(activation_checkpointing)

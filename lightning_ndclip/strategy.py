@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import ReduceOp
@@ -125,15 +126,19 @@ class NDParallelStrategy(ModelParallelStrategy):
         loss_normalization: ``None`` (default): ``training_step`` returns the usual per-rank mean
             loss, reduced as Lightning and FSDP do. ``"token_mean"``: the exact global token mean.
             The LightningModule defines ``count_tokens(batch) -> Tensor`` (valid tokens of a raw
-            batch) and ``training_step`` returns the **sum** of its per-token losses (a tensor, or a
-            dict whose ``"loss"`` is that sum). The strategy reads every micro-batch of an
-            accumulation window ahead, sums their counts over the batch dims ``dp`` (cp peers read the
-            same raw batch, so each token counts once) in one
-            all-reduce, scales each micro-batch's loss by ``accumulate_grad_batches / N`` before
-            backward (undoing Lightning's division by ``accumulate_grad_batches``, also for a partial
-            window at the end of an epoch), makes every FSDP2 reduction a SUM and lets FSDP2 reduce
-            only on the last micro-batch of a window. A window without valid tokens gives zero
-            gradients, not NaN.
+            batch) and ``training_step`` returns, as usual, ``cross_entropy(..., ignore_index=...)``:
+            this micro-batch's mean over its valid tokens (or per-token losses, any shape, ignored
+            tokens 0; or, with ``loss_reduction="sum"``, their sum); a tensor or a dict with a
+            ``"loss"``. The strategy reads every micro-batch of an accumulation window ahead, sums
+            their counts over the batch dims ``dp`` (cp peers read the same raw batch, so each token
+            counts once) in one all-reduce, turns each micro-batch's loss into its share of the global
+            mean, ``mean x n_local / N``, times ``accumulate_grad_batches`` (undoing Lightning's
+            division, also for a partial window at the end of an epoch), makes every FSDP2 reduction
+            a SUM and lets FSDP2 reduce only on the last micro-batch of a window. A window without
+            valid tokens gives zero gradients, not NaN. Counts must be finite non-negative integers:
+            a bad one raises the same ``ValueError`` on every rank, naming the rank and micro-batch.
+            With ``cp > 1`` or ``pp > 1`` a mean cannot be weighted (the count is of the raw batch):
+            return per-token losses there.
             ``"sample_mean"``: the exact hierarchical (per-sample) mean, for packed sequences and
             context parallelism. The LightningModule defines ``sample_ids(batch) -> (ids,
             num_samples)`` or ``(ids, num_samples, valid)``: the per-token sample index of *this
@@ -142,6 +147,11 @@ class NDParallelStrategy(ModelParallelStrategy):
             per-token losses, shaped like ``ids``. Per window, sample token counts are summed over
             ``cp`` and samples over ``dp`` (two all-reduces), and each micro-batch's loss becomes
             ``accumulate_grad_batches x Σ_i l_i / (B T_b(i))``.
+        loss_reduction: what a scalar loss is under ``loss_normalization="token_mean"``: ``"mean"``
+            (default, the Lightning habit) or ``"sum"`` (the sum of this micro-batch's per-token losses).
+        log_loss: with ``loss_normalization``, the name under which the strategy logs the exact global
+            mean loss of each optimizer step (what one device shows for the same window; one scalar
+            all-reduce per step), on step and in the progress bar; ``None`` logs nothing.
         tp_plan: declarative tensor parallelism, ``{module name: ParallelStyle}`` (see
             :func:`lightning_ndclip.parallelize.parallelize`).
         fsdp_units: module classes that each become a ``fully_shard`` unit (the root always does).
@@ -163,8 +173,8 @@ class NDParallelStrategy(ModelParallelStrategy):
             hook, or else with one ``fully_shard`` per stage), and ``training_step`` runs them with
             ``trainer.strategy.run_pipeline(inputs, target)``, which does forward and backward and
             returns the loss; the module defines ``pipeline_loss(output, target)``: a micro-batch's
-            mean loss, its loss *sum* with ``loss_normalization="token_mean"``, or its per-token
-            losses with ``"sample_mean"`` (shaped like the micro-batch's rows of ``sample_ids``; the
+            mean loss, or its per-token losses with ``loss_normalization="token_mean"`` (their sum with
+            ``loss_reduction="sum"``) or ``"sample_mean"`` (shaped like the micro-batch's rows of ``sample_ids``; the
             target must then be a tensor with one row per row of sample ids, split by the schedule
             like the inputs). The strategy then never calls backward itself.
         pp_tied_parameters: groups of parameter names (as in the unsplit model) that are one
@@ -201,6 +211,8 @@ class NDParallelStrategy(ModelParallelStrategy):
         data_parallel_size: int | Literal["auto"] | None = None,
         tensor_parallel_size: int | Literal["auto"] | None = None,
         loss_normalization: Literal["token_mean", "sample_mean"] | None = None,
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        log_loss: str | None = "train_loss",
         tp_plan: Mapping[str, ParallelStyle] | None = None,
         fsdp_units: Sequence[type[nn.Module]] = (),
         activation_checkpointing: Sequence[type[nn.Module]] = (),
@@ -246,6 +258,11 @@ class NDParallelStrategy(ModelParallelStrategy):
             )
         self._sizes = sizes
         self._loss_normalization = loss_normalization
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self._loss_reduction = loss_reduction
+        self._log_loss = log_loss
+        self._window_loss: torch.Tensor | None = None
         self._sum_reduction = sum_reduction or loss_normalization is not None
         self._init_sync = init_sync
         if tp_plan and tp == 1:
@@ -469,7 +486,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         k = trainer.accumulate_grad_batches
         automatic = module.automatic_optimization
         pipeline = self._pipeline
-        scale: torch.Tensor | None = None
+        scale: Any = None
         if self._windows is None:
             last = not (automatic and _compat.should_accumulate(trainer))
             self._set_gradient_sync(last)
@@ -478,33 +495,49 @@ class NDParallelStrategy(ModelParallelStrategy):
             pipeline.loss_scale = 1.0 / (self._pp.n_microbatches * k)  # micro-batch means -> window mean
         else:
             scale, last = self._windows.window_of(self._batch_idx)
-            self._window_scale = scale
             self._set_gradient_sync(last)
+            if self._loss_normalization == "token_mean":
+                self._window_scale = scale[0].total
             if pipeline is not None and self._loss_normalization == "token_mean":
-                pipeline.loss_scale = 1.0 / scale.to(torch.float64).clamp(min=1)  # loss sums / N
+                pipeline.token_count, pipeline.loss_reduction = scale[0], self._loss_reduction
             elif pipeline is not None:  # sample_mean: per-token losses x weights, no Lightning division
                 pipeline.loss_scale, pipeline.token_weights = 1.0, scale
         if pipeline is not None and automatic:
             # the schedule runs backward inside training_step; Lightning zeroes gradients after it and
             # then calls backward: the step's gradients wait aside until backward() adds them back
             with pipeline.gradients_aside(module, window_ends=last):
-                return super().training_step(*args, **kwargs)
-        if pipeline is not None:
+                output = super().training_step(*args, **kwargs)
+        elif pipeline is not None:
             output = super().training_step(*args, **kwargs)
             if last:
                 pipeline.window_complete()
-            return output
-        assert scale is not None
-        output = super().training_step(*args, **kwargs)
-        loss = output["loss"] if isinstance(output, Mapping) else output
+        else:
+            output = self._normalized(super().training_step(*args, **kwargs), scale, k)
+        if scale is not None:  # the loss share of this micro-batch: the pipeline's is not multiplied by k
+            self._log_window_loss(output, k if pipeline is None else 1, last)
+        return output
+
+    def _normalized(self, output: Any, scale: Any, k: int) -> Any:
+        """``training_step``'s loss as its share of the global mean, times ``k`` (Lightning divides by
+        ``accumulate_grad_batches`` before backward)."""
+        loss = output["loss"] if isinstance(output, Mapping) and "loss" in output else output
+        if isinstance(output, Mapping) and "loss" not in output:
+            raise ValueError(f"training_step returned a dict without a 'loss' key (keys: {sorted(output)})")
         if not isinstance(loss, torch.Tensor):
             raise TypeError(
                 f"with loss_normalization={self._loss_normalization!r}, training_step must return its loss (a "
                 f"tensor, or a dict with a 'loss' tensor), got {type(loss).__name__}"
             )
         if self._loss_normalization == "token_mean":
-            # in the loss dtype: an int count divided in float32 would cost float64 losses 7 digits
-            scaled = loss * (k / scale.to(loss.dtype).clamp(min=1))
+            count, local = scale
+            if loss.dim() == 0 and self._loss_reduction == "mean" and self.parallel_dims.cp > 1:
+                raise ValueError(
+                    "with cp > 1 and loss_normalization='token_mean', training_step must return the per-token losses "
+                    "of its sequence shard (e.g. cross_entropy(..., reduction='none')) or, with "
+                    "NDParallelStrategy(loss_reduction='sum'), their sum: count_tokens(batch) counts the raw batch, "
+                    "not this rank's shard, so a mean cannot be weighted by its tokens"
+                )
+            scaled = count.share(loss, local, self._loss_reduction) * k
         else:
             if loss.shape != scale.shape:
                 raise ValueError(
@@ -513,6 +546,22 @@ class NDParallelStrategy(ModelParallelStrategy):
                 )
             scaled = (loss * scale.to(loss.dtype)).sum() * k
         return {**output, "loss": scaled} if isinstance(output, Mapping) else scaled
+
+    def _log_window_loss(self, output: Any, k: int, last: bool) -> None:
+        """Add this micro-batch's share to the window's loss; at the window's end, sum the shares over
+        the loss dims (one scalar all-reduce) and log the exact global mean as ``log_loss``."""
+        if self._log_loss is None:
+            return
+        loss = output["loss"] if isinstance(output, Mapping) else output
+        share = loss.detach().to(torch.float64) / k
+        self._window_loss = share if self._window_loss is None else self._window_loss + share
+        if not last:
+            return
+        total, self._window_loss = self._window_loss, None
+        group = self.meshes["dp_cp"].get_group()
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+        self._module.log(self._log_loss, total, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
 
     def _optimizer_options(self) -> StateDictOptions:
         # flattened keys (one per parameter): pipeline stages hold different parameters, and a single

@@ -37,7 +37,7 @@ class LossWindows:
         self.dataloader = dataloader
         self._strategy = strategy
         self._trainer = trainer
-        self._windows: dict[int, tuple[torch.Tensor, bool]] = {}
+        self._windows: dict[int, tuple[Any, bool]] = {}
 
     def __len__(self) -> int:
         return len(self.dataloader)
@@ -45,18 +45,19 @@ class LossWindows:
     def __getattr__(self, name: str) -> Any:  # sampler, batch_size, ... of the wrapped loader
         return getattr(self.__dict__["dataloader"], name)
 
-    def window_of(self, batch_idx: int) -> tuple[torch.Tensor, bool]:
-        """The scale of ``batch_idx`` (the window's token count, or its per-token sample weights)
-        and whether it is the window's last batch."""
+    def window_of(self, batch_idx: int) -> tuple[Any, bool]:
+        """The normalization of ``batch_idx`` (``(TokenCount of the window, this batch's local
+        count)``, or its per-token sample weights) and whether it is the window's last batch."""
         return self._windows.pop(batch_idx)
 
-    def _scales(self, window: list[Any]) -> list[torch.Tensor]:
+    def _scales(self, window: list[Any]) -> list[Any]:
         module: Any = self._strategy.lightning_module  # a LightningModule with the hooks of its normalization
         meshes, device = self._strategy.meshes, self._strategy.root_device
         if self._strategy._loss_normalization == "token_mean":
             # summed over the batch dims only: the ranks of a cp group read the same raw batch
             counts = [torch.as_tensor(module.count_tokens(b)).to(device) for b in window]
-            return [sync_token_count(counts, group=meshes["dp"].get_group()).total] * len(window)
+            count = sync_token_count(counts, group=meshes["dp"].get_group())
+            return [(count, local) for local in counts]
         described = [module.sample_ids(b) for b in window]
         weights = sync_sample_weights(
             [torch.as_tensor(d[0]).to(device) for d in described],

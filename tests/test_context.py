@@ -265,7 +265,8 @@ class _CausalLMModule(L.LightningModule):
         rank, size = cp.get_local_rank(), cp.size()
         (tokens, positions), (labels, _) = (shard_sequence(t, rank, size, dim=1, load_balance=True) for t in batch)
         logits = self.model(tokens, positions, None, cp.get_group(), is_causal=True)
-        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        # per-token losses of this rank's cp shard (a mean would need the shard's own token count)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=DIT_LR)

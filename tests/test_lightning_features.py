@@ -486,7 +486,7 @@ def test_every_hook_signature_trains_and_evaluates_alike():
     assert _windows(results, "seen_batch_only") == _windows(results, "seen_keyword") == windows
     params = _replay("mlp", windows, [LR] * STEPS)[-1]
     val_refs = [_eval_reference("mlp", params, rows) for rows in VAL_ROWS]
-    ref_norms, ref_token_params = _token_reference(2)
+    ref_norms, ref_token_params, _ = _token_reference(2)
     for r in results:
         for name in ("reference", "batch_only", "keyword"):
             _assert_params(r[name]["params"], params, name)

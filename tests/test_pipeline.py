@@ -185,8 +185,8 @@ class _PipelinedLM(L.LightningModule):
     def count_tokens(self, batch) -> torch.Tensor:
         return (batch[1] != -100).sum()
 
-    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # per-token losses
+        return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=-100, reduction="none")
 
     def training_step(self, batch, batch_idx):
         loss = self.trainer.strategy.run_pipeline(*batch)  # forward + backward of every micro-batch

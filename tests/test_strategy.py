@@ -10,6 +10,7 @@ from harness import run_on_ranks
 from lightning.pytorch.strategies import StrategyRegistry
 from test_callbacks import STEPS, MlpModule, Recorder, _reference, use_existing_process_group
 from test_loss import TokenModel, _packed_batch, _token_losses
+from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, TensorDataset
@@ -115,10 +116,13 @@ def _token_rows() -> TensorDataset:
 
 
 class _TokenModule(L.LightningModule):
-    def __init__(self, mean_per_rank: bool = False) -> None:
+    """``training_step`` returns the Lightning habit, ``cross_entropy(..., ignore_index=-100)`` (this
+    micro-batch's mean), or per-token losses, or their sum."""
+
+    def __init__(self, returns: str = "mean") -> None:
         super().__init__()
         self.model = TokenModel()
-        self.mean_per_rank = mean_per_rank
+        self.returns = returns
 
     def configure_model(self) -> None:
         mesh = self.trainer.strategy.meshes["dp_shard_cp"]
@@ -131,10 +135,11 @@ class _TokenModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         tokens, labels = batch
-        losses = _token_losses(self.model, {"tokens": tokens, "labels": labels})
-        if self.mean_per_rank:  # the usual recipe: a per-rank mean
-            return losses.sum() / count_valid_tokens(labels).clamp(min=1)
-        return losses.sum()
+        logits = self.model(tokens).flatten(0, 1)
+        if self.returns == "mean":
+            return nn.functional.cross_entropy(logits, labels.flatten(), ignore_index=-100)
+        losses = nn.functional.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="none")
+        return losses.view_as(labels) if self.returns == "per_token" else losses.sum()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=TOKEN_LR)
@@ -143,35 +148,38 @@ class _TokenModule(L.LightningModule):
         return DataLoader(_token_rows(), batch_size=ROWS_PER_RANK, shuffle=False)
 
 
-def _token_reference(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _token_reference(dp: int) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     """One device: per window, the sum of every token loss of every rank's micro-batches divided by
-    the window's valid tokens; clipped; SGD."""
+    the window's valid tokens; clipped; SGD. The norms, the parameters, and each window's loss."""
     model = TokenModel()
     opt = torch.optim.SGD(model.parameters(), lr=TOKEN_LR)
     tokens, labels = _token_rows().tensors
     order = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(0)).tolist()
-    norms = []
+    norms, losses = [], []
     for window in ([0, 1, 2], [3, 4]):
         rows = [order[(j * ROWS_PER_RANK + t) * dp + r] for j in window for r in range(dp) for t in range(ROWS_PER_RANK)]
         batch = {"tokens": tokens[rows], "labels": labels[rows]}
         opt.zero_grad()
-        (_token_losses(model, batch).sum() / count_valid_tokens(batch["labels"])).backward()
+        loss = _token_losses(model, batch).sum() / count_valid_tokens(batch["labels"])
+        loss.backward()
+        losses.append(float(loss.detach()))
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
         opt.step()
-    return norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return norms, {n: p.detach().clone() for n, p in model.named_parameters()}, losses
 
 
-def _token_fit_case(dp: int, normalize: bool) -> dict:
+def _token_fit_case(dp: int, normalization: str | None, returns: str = "mean", reduction: str = "mean") -> dict:
     use_existing_process_group()
     recorder = Recorder()
-    module = _TokenModule(mean_per_rank=not normalize)
-    strategy = NDParallelStrategy(dp_shard=dp, loss_normalization="token_mean" if normalize else None)
+    module = _TokenModule(returns)
+    strategy = NDParallelStrategy(dp_shard=dp, loss_normalization=normalization, loss_reduction=reduction)
     trainer = _trainer(strategy, devices=dp, max_steps=-1, max_epochs=1, limit_train_batches=BATCHES,
                        accumulate_grad_batches=ACCUMULATE, callbacks=[GlobalNormClip(0.05)], logger=recorder)
     trainer.fit(module)
     return {
         "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m],
         "params": {n: p.detach().full_tensor() for n, p in module.model.named_parameters()},
+        "train_loss": [m["train_loss"] for _, m in recorder.rows if "train_loss" in m],
     }
 
 
@@ -183,15 +191,78 @@ def _worst(results: list[dict], reference: dict[str, torch.Tensor]) -> float:
     )
 
 
-def test_token_mean_with_accumulation_and_a_partial_window_matches_single_device():
-    ref_norms, ref_params = _token_reference(2)
-    results = run_on_ranks(2, _token_fit_case, 2, True)
+@pytest.mark.parametrize(
+    "returns,reduction",
+    [("mean", "mean"), ("per_token", "mean"), ("sum", "sum")],
+    ids=["the-lightning-habit-a-mean", "per-token-losses", "a-sum-with-loss_reduction-sum"],
+)
+def test_token_mean_with_accumulation_and_a_partial_window_matches_single_device(returns, reduction):
+    ref_norms, ref_params, ref_losses = _token_reference(2)
+    results = run_on_ranks(2, _token_fit_case, 2, "token_mean", returns, reduction)
     assert _worst(results, ref_params) < 1e-10
-    assert len(results[0]["norms"]) == 2
-    for ours, ref in zip(results[0]["norms"], ref_norms):
-        assert abs(ours - ref) <= 1e-10 * ref
-    biased = run_on_ranks(2, _token_fit_case, 2, False)
-    assert _worst(biased, ref_params) > 1e-4, "the per-rank mean recipe should be detectably wrong"
+    for r in results:
+        assert len(r["norms"]) == 2 and len(r["train_loss"]) == 2
+        for ours, ref in zip(r["norms"], ref_norms):
+            assert abs(ours - ref) <= 1e-10 * ref
+        for ours, ref in zip(r["train_loss"], ref_losses):  # what one device shows for the same window
+            assert abs(ours - ref) <= 1e-10 * ref
+
+
+def test_the_per_rank_mean_without_the_strategy_or_taken_for_a_sum_is_detectably_wrong():
+    _, ref_params, _ = _token_reference(2)
+    biased = run_on_ranks(2, _token_fit_case, 2, None)  # FSDP averages per-rank means
+    assert _worst(biased, ref_params) > 1e-4
+    as_sum = run_on_ranks(2, _token_fit_case, 2, "token_mean", "mean", "sum")  # 0.1.0's contract, a mean returned
+    assert _worst(as_sum, ref_params) > 1e-4
+    ref_norms, _, _ = _token_reference(2)
+    assert as_sum[0]["norms"][0] < 0.2 * ref_norms[0], "gradients about n_local times too small"
+
+
+class _BadCountModule(_TokenModule):
+    def __init__(self, bad) -> None:
+        super().__init__()
+        self.bad, self.calls = bad, 0
+
+    def count_tokens(self, batch) -> torch.Tensor:
+        self.calls += 1
+        if self.trainer.global_rank == 1 and self.calls == 2:  # rank 1, micro-batch 1 of the first window
+            return torch.tensor(self.bad)
+        return super().count_tokens(batch)
+
+
+def _bad_count_case(bad) -> str:
+    use_existing_process_group()
+    trainer = _trainer(NDParallelStrategy(dp_shard=2, loss_normalization="token_mean"), devices=2, logger=False,
+                       accumulate_grad_batches=ACCUMULATE)
+    with pytest.raises(ValueError) as info:
+        trainer.fit(_BadCountModule(bad))
+    return str(info.value)
+
+
+@pytest.mark.parametrize("bad", [-3, float("nan"), 2.5, float("inf")])
+def test_a_bad_token_count_raises_the_same_error_on_every_rank(bad):
+    messages = run_on_ranks(2, _bad_count_case, bad, timeout=60)
+    assert messages[0] == messages[1], "every rank raises the same error"
+    assert "token counts must be finite non-negative integers" in messages[0]
+    assert "rank 1, micro-batch 1:" in messages[0] and str(bad) in messages[0]
+
+
+class _DictWithoutLoss(_TokenModule):
+    def training_step(self, batch, batch_idx):
+        return {"logits_sum": super().training_step(batch, batch_idx)}
+
+
+def _dict_without_loss_case() -> str:
+    use_existing_process_group()
+    trainer = _trainer(NDParallelStrategy(loss_normalization="token_mean"), devices=1, logger=False)
+    with pytest.raises(ValueError) as info:
+        trainer.fit(_DictWithoutLoss())
+    return str(info.value)
+
+
+def test_a_dict_without_loss_names_its_keys():
+    (message,) = run_on_ranks(1, _dict_without_loss_case)
+    assert "without a 'loss' key" in message and "logits_sum" in message
 
 
 def _missing_count_tokens_case() -> str:
@@ -322,6 +393,20 @@ def _declarative_case(dp_replicate: int, dp_shard: int, tp: int) -> dict:
         "units": units,
         "placements": sorted({str(p.placements) for p in module.parameters()}),
     }
+
+
+def _unmatched_plan_case() -> str:
+    use_existing_process_group()
+    plan = {"net.0": ColwiseParallel(), "net.9": RowwiseParallel(), "head.*": ColwiseParallel()}
+    strategy = NDParallelStrategy(tp=2, tp_plan=plan, fsdp_units=(torch.nn.Linear,))
+    with pytest.raises(ValueError) as info:
+        _trainer(strategy, devices=2, logger=False).fit(_PlainModule())
+    return str(info.value)
+
+
+def test_a_tp_plan_key_that_matches_nothing_is_an_error_naming_it():
+    for message in run_on_ranks(2, _unmatched_plan_case):
+        assert "tp_plan entries ['net.9', 'head.*'] match no submodule" in message
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 2), (2, 2, 1), (2, 2, 2)], ids=["fsdp2xtp2", "hsdp2x2", "hsdp2x2xtp2"])
