@@ -39,7 +39,7 @@ from lightning_ndclip._compat import (
     local_tensors,
 )
 from lightning_ndclip.layout import dim0_padding
-from lightning_ndclip.plan import NormPlan, build_plan
+from lightning_ndclip.plan import NormPlan, NormPlanError, build_plan
 from lightning_ndclip.runs import RunFinder
 
 __all__ = ["GradNorms", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norms"]
@@ -132,7 +132,14 @@ def _cached_plan(
     tie_keys: Sequence[str | None] | None,
     pp_mesh: DeviceMesh | None,
     group: dist.ProcessGroup | None,
+    context: tuple,
 ) -> _CachedPlan:
+    """The plan of this layout, from the cache or made by the exchange (collective).
+
+    A miss after earlier calls in the same ``context`` may be this rank's alone (its gradient set
+    or layout changed while the others hit their cached plans and are already in the norm's
+    all-reduce): it first joins that all-reduce with a marker (:func:`_probe`), which makes every
+    rank see the disagreement and go to the exchange too, instead of leaving them waiting."""
     key = (
         _layout_key(grads),
         None if names is None else tuple(names),
@@ -140,8 +147,28 @@ def _cached_plan(
         id(pp_mesh),
         id(group),
     )
+    entry = _plans.get(key)
+    if entry is not None:
+        _plans.move_to_end(key)
+        return entry
+    size = _last_buffer_size.get(context)
+    everyone = size is None or _probe(size, context[2], group, grads)
+    return _exchange(key, grads, names, tie_keys, pp_mesh, group, diverged=not everyone)
 
-    def make() -> _CachedPlan:
+
+def _exchange(
+    key: tuple,
+    grads: Sequence[torch.Tensor],
+    names: Sequence[str] | None,
+    tie_keys: Sequence[str | None] | None,
+    pp_mesh: DeviceMesh | None,
+    group: dist.ProcessGroup | None,
+    *,
+    diverged: bool,
+) -> _CachedPlan:
+    """Build this layout's plan with every rank (collective) and cache it. After a disagreement
+    (``diverged``), ranks whose layouts differ all raise the same ``RuntimeError``."""
+    try:
         plan = build_plan(
             grads,
             [f"tensor[{i}]" for i in range(len(grads))] if names is None else names,
@@ -149,9 +176,52 @@ def _cached_plan(
             pp_mesh=pp_mesh,
             group=group,
         )
-        return _CachedPlan(plan, keep_alive=(_specs(grads), pp_mesh, group), padding=_padding(grads))
+    except NormPlanError as error:
+        if not diverged:
+            raise
+        raise RuntimeError(
+            "ranks used different cached norm plans in the same call (their gradient layouts diverged after "
+            f"agreeing earlier); every rank of a stage must pass gradients of the same layout: {error}"
+        ) from error
+    entry = _plans[key] = _CachedPlan(plan, keep_alive=(_specs(grads), pp_mesh, group), padding=_padding(grads))
+    _plans.move_to_end(key)
+    while len(_plans) > _MAX_CACHED_PLANS:
+        _plans.popitem(last=False)
+    return entry
 
-    return _lru_get(_plans, key, make)
+
+_PROBE_MARK = float(2**55)  # above any plan fingerprint (< 2**52), so no sum or max of them equals it
+
+
+def _probe(size: int, is_inf: bool, group: dist.ProcessGroup | None, grads: Sequence[torch.Tensor]) -> bool:
+    """Join the norm's all-reduce (of the ``size`` it had last time in this context) with a marker in
+    place of a plan fingerprint, so that ranks that hit their cached plans see a disagreement and
+    exchange plans too. Returns whether every rank missed (a new layout everywhere). On
+    accelerators, where ranks that hit do not read the check on the host, this rank raises unless
+    every rank missed."""
+    local = _locals(grads)
+    device = _collective_device(group, local[0].device if local else torch.device("cpu"))
+    buffer = torch.zeros(size, dtype=torch.float64, device=device)
+    if is_inf:
+        buffer[2], buffer[3] = _PROBE_MARK, -_PROBE_MARK
+    else:
+        buffer[1] = _PROBE_MARK
+    dist.all_reduce(buffer, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+    everyone = bool(buffer[3] == -_PROBE_MARK) if is_inf else bool(buffer[1] == dist.get_world_size(group) * _PROBE_MARK)
+    if not everyone and device.type != "cpu":
+        raise RuntimeError(
+            "this rank's gradient layout changed after its norm plan was cached, while other ranks kept "
+            "theirs (their norm is nan this step); every rank of a stage must pass gradients of the same layout"
+        )
+    return everyone  # on CPU the ranks that hit saw the marker and come to the exchange as well
+
+
+_last_buffer_size: dict[tuple, int] = {}
+"""Per (pp mesh, group, inf norm, per-tensor) context: the size of the last all-reduce (for :func:`_probe`)."""
+
+
+class _PlansDiffer(Exception):
+    """Ranks reduced with different plans (or one had none): they exchange plans and try again."""
 
 
 def _padding(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
@@ -259,11 +329,7 @@ def _all_reduce(
     dist.all_reduce(buffer, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=plan.group)
     agreed = torch.eq(buffer[head - sent.numel() : head], expected).all()
     if device.type == "cpu" and not agreed:
-        raise RuntimeError(
-            "ranks used different cached norm plans in the same call (their gradient layouts "
-            "diverged after agreeing earlier); every rank of a stage must pass gradients of the "
-            "same layout"
-        )
+        raise _PlansDiffer()
     poisoned = ~agreed | (buffer[1] > 0) if is_inf else ~agreed
     total = torch.where(poisoned, math.nan, buffer[0])
     return total, None if per_slot is None else torch.where(agreed, buffer[head:], math.nan)
@@ -286,7 +352,34 @@ def _global_norm(
     if not (norm_type > 0):
         raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}")
     is_inf = math.isinf(norm_type)
-    entry = _cached_plan(grads, names, tie_keys, pp_mesh, group)
+    context = (id(pp_mesh), id(group), is_inf, per_tensor)
+    entry = _cached_plan(grads, names, tie_keys, pp_mesh, group, context)
+    try:
+        return _norm_with(entry, grads, norm_type, is_inf, context, per_tensor, foreach, accumulate_dtype)
+    except _PlansDiffer:  # some rank's plan differs or it had none: agree on one (or all raise), once
+        key = next(k for k, v in _plans.items() if v is entry)
+        entry = _exchange(key, grads, names, tie_keys, pp_mesh, group, diverged=True)
+    try:
+        return _norm_with(entry, grads, norm_type, is_inf, context, per_tensor, foreach, accumulate_dtype)
+    except _PlansDiffer:
+        raise RuntimeError(
+            "ranks used different norm plans in the same call even after exchanging them; every rank of a "
+            "stage must pass gradients of the same layout"
+        ) from None
+
+
+def _norm_with(
+    entry: _CachedPlan,
+    grads: Sequence[torch.Tensor],
+    norm_type: float,
+    is_inf: bool,
+    context: tuple,
+    per_tensor: bool,
+    foreach: bool | None,
+    accumulate_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, NormPlan, list[torch.Tensor]]:
+    """:func:`_global_norm` with a given plan; raises :class:`_PlansDiffer` when the ranks' plans
+    turn out to differ (on CPU, where that is read without a device sync)."""
     plan = entry.plan
     locals_ = _locals(grads)
     runs = entry.finder.runs(locals_, plan.counted, entry.padding)
@@ -319,6 +412,7 @@ def _global_norm(
 
     if plan.needs_collective:
         local, per_slot = _all_reduce(local, per_slot, is_inf, plan, entry, device)
+        _last_buffer_size[context] = (4 if is_inf else 2) + (0 if per_slot is None else per_slot.numel())
 
     total = local if is_inf else local.pow(1.0 / norm_type)
     if per_slot is not None and not is_inf:

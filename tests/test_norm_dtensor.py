@@ -156,6 +156,36 @@ def test_ranks_on_different_cached_plans_raise_everywhere(norm_type, layout_of_r
     assert len(run_on_ranks(4, _diverged_plans_case, norm_type, layout_of_rank, timeout=60)) == 4
 
 
+def _changed_layout_case(norm_type, per_tensor, who_changes):
+    """After a plan is cached, the ranks in ``who_changes`` have one gradient fewer (its ``grad`` is
+    None). All ranks changing: a new plan, the right norm. Some ranks changing: the same error on
+    every rank, never a wait."""
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
+    params = []
+    for seed, shape in enumerate([(8, 3), (4, 2), (5,)]):
+        p = torch.nn.Parameter(distribute_tensor(torch.zeros(shape, dtype=torch.float64), mesh, [Shard(0)]))
+        p.grad = distribute_tensor(_full(shape, seed), mesh, [Shard(0)])
+        params.append((f"p{seed}", p))
+    nd.grad_norms(params, norm_type, per_tensor=per_tensor)  # the plan, cached on every rank
+    if dist.get_rank() in who_changes:
+        params[2][1].grad = None
+    if len(who_changes) == dist.get_world_size():
+        return float(nd.grad_norms(params, norm_type, per_tensor=per_tensor).total)
+    with pytest.raises(RuntimeError, match="different cached norm plans") as info:
+        nd.grad_norms(params, norm_type, per_tensor=per_tensor)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("per_tensor", [False, True])
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_a_rank_whose_gradient_set_changes_raises_everywhere_instead_of_hanging(norm_type, per_tensor):
+    for message in run_on_ranks(4, _changed_layout_case, norm_type, per_tensor, (1,), timeout=60):
+        assert "tensor" in message
+    expected = reference_norm([_full((8, 3), 0), _full((4, 2), 1)], norm_type)
+    for total in run_on_ranks(4, _changed_layout_case, norm_type, per_tensor, (0, 1, 2, 3), timeout=60):
+        assert_close(torch.tensor(total, dtype=torch.float64), expected)
+
+
 def _nonfinite_case(bad):
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
     full = _full((8, 3), 0)
