@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from typing_extensions import override
 
 from lightning_ndclip import _compat
+from lightning_ndclip.checkpoint import refuse_incomplete_checkpoint, save_distributed_checkpoint_atomically
 from lightning_ndclip.lightning_pipeline import PipelineConfig, PipelineRunner
 from lightning_ndclip.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError
 from lightning_ndclip.parallelize import parallelize
@@ -579,12 +580,26 @@ class NDParallelStrategy(ModelParallelStrategy):
             optimizer = optimizer.optimizer
         return get_optimizer_state_dict(self._wrapped_model, optimizer, options=self._optimizer_options())
 
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """As Lightning's ModelParallelStrategy, but a distributed checkpoint is never written in place: the
+        ranks write a fresh sibling directory that rank 0 completes and swaps in, so a fault leaves the old or
+        the new checkpoint at ``filepath``, never a mix (:mod:`lightning_ndclip.checkpoint`). A full
+        checkpoint (``save_distributed_checkpoint=False``) is Lightning's, written atomically by rank 0."""
+        if storage_options is not None or not _compat.save_distributed_checkpoint(self):
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        save_distributed_checkpoint_atomically(self, checkpoint, Path(self.broadcast(filepath)))
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """As Lightning's ModelParallelStrategy; with ``pp > 1``, optimizer states use flattened
-        per-parameter keys, so every stage restores its own parameter groups."""
-        if self._dims is None or self._dims.pp == 1:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        per-parameter keys, so every stage restores its own parameter groups. An incomplete distributed
+        checkpoint directory (no ``meta.pt`` or ``.metadata``, or a shard missing) is refused with the
+        same ``ValueError`` on every rank, saying what is missing."""
         path = Path(self.broadcast(checkpoint_path))
+        refuse_incomplete_checkpoint(self, path)
+        if self._dims is None or self._dims.pp == 1:
+            return super().load_checkpoint(path, weights_only=weights_only)
         if not path.is_dir():
             raise ValueError(f"with pp > 1, resume from a distributed (sharded) checkpoint directory, got {path}")
         options, model = self._optimizer_options(), self._wrapped_model
