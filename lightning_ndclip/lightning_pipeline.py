@@ -179,7 +179,8 @@ class PipelineRunner:
         group = None
         for c in range(columns.shape[1]):
             g = dist.new_group([int(columns[o, c]) for o in owners])
-            group = g if c == mine else group
+            if c == mine and isinstance(g, dist.ProcessGroup):  # not a member: no copy here, no group
+                group = g
         holders: list[torch.Tensor] = [p for stage in stages for n, p in stage.named_parameters() if n in names]
         return holders, group
 

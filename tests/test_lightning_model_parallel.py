@@ -347,7 +347,7 @@ def test_align_compiled_param_names_no_compile():
 
 @pytest.mark.skipif(
     not hasattr(lightning_model_parallel, "_resolve_path"),
-    reason="fsspec URLs for distributed checkpoints (Lightning #21821) are missing in the installed Lightning 2.6.6: "
+    reason="fsspec URLs for distributed checkpoints (Lightning #21821) are missing in the installed Lightning (2.6.x): "
     "its save_checkpoint turns the path into a pathlib.Path (gs://... -> gs:/...) and has no _prepare_directory_checkpoint"
     " / _is_checkpoint_dir / _atomic_save to patch",
 )
