@@ -128,6 +128,13 @@ def _check_agreement(views: list[dict]) -> list[str]:
                 f"tensor #{i} ({v['names'][i]}) differs between rank {lead['rank']} "
                 f"{theirs[i]} and rank {v['rank']} {mine[i]} of pipeline stage {v['stage']}"
             )
+        elif v["names"] != lead["names"]:  # same layouts in another order: norms would be matched by position
+            i = _first_difference(v["names"], lead["names"])
+            problems.append(
+                f"tensor #{i} is {lead['names'][i]!r} on rank {lead['rank']} but {v['names'][i]!r} on rank "
+                f"{v['rank']} of pipeline stage {v['stage']}: pass the tensors in the same order, with the same "
+                "names, on every rank"
+            )
     for v in views:
         for ranks in set(v["mesh_ranks"]):
             for q in ranks:

@@ -186,6 +186,27 @@ def test_a_rank_whose_gradient_set_changes_raises_everywhere_instead_of_hanging(
         assert_close(torch.tensor(total, dtype=torch.float64), expected)
 
 
+def _swapped_names_case():
+    """Two same-shape parameters passed in another order on rank 1: by position their per-parameter
+    norms would be swapped (the total stays right); by name the ranks disagree, and all say so."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    named = []
+    for seed, name in enumerate(("a", "b")):
+        p = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 3, dtype=torch.float64), mesh, [Shard(0)]))
+        p.grad = distribute_tensor(_full((4, 3), seed), mesh, [Shard(0)])
+        named.append((name, p))
+    if dist.get_rank() == 1:
+        named.reverse()
+    with pytest.raises(nd.NormPlanError) as info:
+        nd.grad_norms(named)
+    return str(info.value)
+
+
+def test_per_parameter_norms_go_by_name_and_ranks_that_disagree_raise_everywhere():
+    for message in run_on_ranks(2, _swapped_names_case, timeout=60):
+        assert "tensor #0 is 'a' on rank 0 but 'b' on rank 1" in message
+
+
 def _nonfinite_case(bad):
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
     full = _full((8, 3), 0)
