@@ -126,6 +126,22 @@ def _layout_key(tensors: Sequence[torch.Tensor]) -> tuple:
     return tuple([id(dtensor_spec(t)) if isinstance(t, DTensor) else (t.shape, t.dtype) for t in tensors])
 
 
+def _plan_key(
+    grads: Sequence[torch.Tensor],
+    names: Sequence[str] | None,
+    tie_keys: Sequence[str | None] | None,
+    pp_mesh: DeviceMesh | None,
+    group: dist.ProcessGroup | None,
+) -> tuple:
+    return (
+        _layout_key(grads),
+        None if names is None else tuple(names),
+        None if tie_keys is None else tuple(tie_keys),
+        id(pp_mesh),
+        id(group),
+    )
+
+
 def _cached_plan(
     grads: Sequence[torch.Tensor],
     names: Sequence[str] | None,
@@ -140,24 +156,16 @@ def _cached_plan(
     or layout changed while the others hit their cached plans and are already in the norm's
     all-reduce): it first joins that all-reduce with a marker (:func:`_probe`), which makes every
     rank see the disagreement and go to the exchange too, instead of leaving them waiting."""
-    key = (
-        _layout_key(grads),
-        None if names is None else tuple(names),
-        None if tie_keys is None else tuple(tie_keys),
-        id(pp_mesh),
-        id(group),
-    )
-    entry = _plans.get(key)
-    if entry is not None:
-        _plans.move_to_end(key)
-        return entry
-    size = _last_buffer_size.get(context)
-    everyone = size is None or _probe(size, context[2], group, grads)
-    return _exchange(key, grads, names, tie_keys, pp_mesh, group, diverged=not everyone)
+
+    def make() -> _CachedPlan:
+        size = _last_buffer_size.get(context)
+        everyone = size is None or _probe(size, context[2], group, grads)
+        return _exchange(grads, names, tie_keys, pp_mesh, group, diverged=not everyone)
+
+    return _lru_get(_plans, _plan_key(grads, names, tie_keys, pp_mesh, group), make)
 
 
 def _exchange(
-    key: tuple,
     grads: Sequence[torch.Tensor],
     names: Sequence[str] | None,
     tie_keys: Sequence[str | None] | None,
@@ -166,8 +174,8 @@ def _exchange(
     *,
     diverged: bool,
 ) -> _CachedPlan:
-    """Build this layout's plan with every rank (collective) and cache it. After a disagreement
-    (``diverged``), ranks whose layouts differ all raise the same ``RuntimeError``."""
+    """Build this layout's plan with every rank (collective). After a disagreement (``diverged``),
+    ranks whose layouts differ all raise the same ``RuntimeError``."""
     try:
         plan = build_plan(
             grads,
@@ -183,11 +191,7 @@ def _exchange(
             "ranks used different cached norm plans in the same call (their gradient layouts diverged after "
             f"agreeing earlier); every rank of a stage must pass gradients of the same layout: {error}"
         ) from error
-    entry = _plans[key] = _CachedPlan(plan, keep_alive=(_specs(grads), pp_mesh, group), padding=_padding(grads))
-    _plans.move_to_end(key)
-    while len(_plans) > _MAX_CACHED_PLANS:
-        _plans.popitem(last=False)
-    return entry
+    return _CachedPlan(plan, keep_alive=(_specs(grads), pp_mesh, group), padding=_padding(grads))
 
 
 _PROBE_MARK = float(2**55)  # above any plan fingerprint (< 2**52), so no sum or max of them equals it
@@ -237,11 +241,17 @@ def _lru_get(cache: OrderedDict[tuple, V], key: tuple, make: Callable[[], V]) ->
     """``cache[key]``, made on a miss; the least recently used entries beyond the limit are dropped."""
     entry = cache.get(key)
     if entry is None:
-        entry = cache[key] = make()
-        while len(cache) > _MAX_CACHED_PLANS:
-            cache.popitem(last=False)
-    else:
-        cache.move_to_end(key)
+        return _lru_put(cache, key, make())
+    cache.move_to_end(key)
+    return entry
+
+
+def _lru_put(cache: OrderedDict[tuple, V], key: tuple, entry: V) -> V:
+    """Store ``entry`` as the most recently used; drop the least recently used beyond the limit."""
+    cache[key] = entry
+    cache.move_to_end(key)
+    while len(cache) > _MAX_CACHED_PLANS:
+        cache.popitem(last=False)
     return entry
 
 
@@ -357,8 +367,8 @@ def _global_norm(
     try:
         return _norm_with(entry, grads, norm_type, is_inf, context, per_tensor, foreach, accumulate_dtype)
     except _PlansDiffer:  # some rank's plan differs or it had none: agree on one (or all raise), once
-        key = next(k for k, v in _plans.items() if v is entry)
-        entry = _exchange(key, grads, names, tie_keys, pp_mesh, group, diverged=True)
+        entry = _exchange(grads, names, tie_keys, pp_mesh, group, diverged=True)
+        _lru_put(_plans, _plan_key(grads, names, tie_keys, pp_mesh, group), entry)
     try:
         return _norm_with(entry, grads, norm_type, is_inf, context, per_tensor, foreach, accumulate_dtype)
     except _PlansDiffer:

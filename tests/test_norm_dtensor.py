@@ -156,16 +156,22 @@ def test_ranks_on_different_cached_plans_raise_everywhere(norm_type, layout_of_r
     assert len(run_on_ranks(4, _diverged_plans_case, norm_type, layout_of_rank, timeout=60)) == 4
 
 
+def _sharded_parameters(mesh, shapes: dict) -> list:
+    """``[(name, parameter)]`` sharded on dim 0, each with the gradient ``_full(shape, its index)``."""
+    named = []
+    for seed, (name, shape) in enumerate(shapes.items()):
+        p = torch.nn.Parameter(distribute_tensor(torch.zeros(shape, dtype=torch.float64), mesh, [Shard(0)]))
+        p.grad = distribute_tensor(_full(shape, seed), mesh, [Shard(0)])
+        named.append((name, p))
+    return named
+
+
 def _changed_layout_case(norm_type, per_tensor, who_changes):
     """After a plan is cached, the ranks in ``who_changes`` have one gradient fewer (its ``grad`` is
     None). All ranks changing: a new plan, the right norm. Some ranks changing: the same error on
     every rank, never a wait."""
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
-    params = []
-    for seed, shape in enumerate([(8, 3), (4, 2), (5,)]):
-        p = torch.nn.Parameter(distribute_tensor(torch.zeros(shape, dtype=torch.float64), mesh, [Shard(0)]))
-        p.grad = distribute_tensor(_full(shape, seed), mesh, [Shard(0)])
-        params.append((f"p{seed}", p))
+    params = _sharded_parameters(mesh, {"p0": (8, 3), "p1": (4, 2), "p2": (5,)})
     nd.grad_norms(params, norm_type, per_tensor=per_tensor)  # the plan, cached on every rank
     if dist.get_rank() in who_changes:
         params[2][1].grad = None
@@ -190,11 +196,7 @@ def _swapped_names_case():
     """Two same-shape parameters passed in another order on rank 1: by position their per-parameter
     norms would be swapped (the total stays right); by name the ranks disagree, and all say so."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
-    named = []
-    for seed, name in enumerate(("a", "b")):
-        p = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 3, dtype=torch.float64), mesh, [Shard(0)]))
-        p.grad = distribute_tensor(_full((4, 3), seed), mesh, [Shard(0)])
-        named.append((name, p))
+    named = _sharded_parameters(mesh, {"a": (4, 3), "b": (4, 3)})
     if dist.get_rank() == 1:
         named.reverse()
     with pytest.raises(nd.NormPlanError) as info:
