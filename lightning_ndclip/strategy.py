@@ -521,9 +521,9 @@ class NDParallelStrategy(ModelParallelStrategy):
     def _normalized(self, output: Any, scale: Any, k: int) -> Any:
         """``training_step``'s loss as its share of the global mean, times ``k`` (Lightning divides by
         ``accumulate_grad_batches`` before backward)."""
-        loss = output["loss"] if isinstance(output, Mapping) and "loss" in output else output
         if isinstance(output, Mapping) and "loss" not in output:
             raise ValueError(f"training_step returned a dict without a 'loss' key (keys: {sorted(output)})")
+        loss = output["loss"] if isinstance(output, Mapping) else output
         if not isinstance(loss, torch.Tensor):
             raise TypeError(
                 f"with loss_normalization={self._loss_normalization!r}, training_step must return its loss (a "
