@@ -158,8 +158,8 @@ def _cached_plan(
     rank see the disagreement and go to the exchange too, instead of leaving them waiting."""
 
     def make() -> _CachedPlan:
-        size = _last_buffer_size.get(context)
-        everyone = size is None or _probe(size, context[2], group, grads)
+        record = _last_buffer_size.get(context)
+        everyone = record is None or _probe(record[0], context[2], group, grads)
         return _exchange(grads, names, tie_keys, pp_mesh, group, diverged=not everyone)
 
     return _lru_get(_plans, _plan_key(grads, names, tie_keys, pp_mesh, group), make)
@@ -220,8 +220,11 @@ def _probe(size: int, is_inf: bool, group: dist.ProcessGroup | None, grads: Sequ
     return everyone  # on CPU the ranks that hit saw the marker and come to the exchange as well
 
 
-_last_buffer_size: dict[tuple, int] = {}
-"""Per (pp mesh, group, inf norm, per-tensor) context: the size of the last all-reduce (for :func:`_probe`)."""
+_last_buffer_size: dict[tuple, tuple[int, tuple]] = {}
+"""Per (id of pp mesh, id of group, inf norm, per-tensor) context: the size of the last all-reduce
+(for :func:`_probe`) and objects that hold the mesh and group alive. Holding them keeps their ids from being
+reused by new objects: a stale record found on one rank only would send it to the probe's
+all-reduce while the others go to the exchange, a hang."""
 
 
 class _PlansDiffer(Exception):
@@ -422,7 +425,8 @@ def _norm_with(
 
     if plan.needs_collective:
         local, per_slot = _all_reduce(local, per_slot, is_inf, plan, entry, device)
-        _last_buffer_size[context] = (4 if is_inf else 2) + (0 if per_slot is None else per_slot.numel())
+        size = (4 if is_inf else 2) + (0 if per_slot is None else per_slot.numel())
+        _last_buffer_size[context] = (size, entry.keep_alive)  # which holds the context's mesh and group
 
     total = local if is_inf else local.pow(1.0 / norm_type)
     if per_slot is not None and not is_inf:

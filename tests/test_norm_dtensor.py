@@ -192,6 +192,31 @@ def test_a_rank_whose_gradient_set_changes_raises_everywhere_instead_of_hanging(
         assert_close(torch.tensor(total, dtype=torch.float64), expected)
 
 
+def _recorded_mesh_case():
+    """The record of a norm's last all-reduce is keyed by the id of its pp mesh: while the record
+    stands, that mesh must stay alive, or a new mesh on one rank only could take its id, find the
+    stale record and probe (an all-reduce) while the other ranks exchange plans (a hang)."""
+    import gc
+    import weakref
+
+    pp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    grads = [_full((3, 2), dist.get_rank())]
+    total = float(nd.get_total_norm(grads, 2.0, pp_mesh=pp_mesh))
+    gone = weakref.ref(pp_mesh)
+    del pp_mesh
+    for n in range(1, nd.norm._MAX_CACHED_PLANS + 2):  # other layouts evict its cached plan
+        nd.get_total_norm([torch.ones(n)], 2.0)
+    gc.collect()
+    return total, gone() is not None
+
+
+def test_the_norm_keeps_the_mesh_of_its_record_alive_so_no_new_mesh_takes_its_id():
+    expected = reference_norm([_full((3, 2), 0), _full((3, 2), 1)], 2.0)
+    for total, alive in run_on_ranks(2, _recorded_mesh_case, timeout=60):
+        assert_close(torch.tensor(total, dtype=torch.float64), expected)
+        assert alive
+
+
 def _swapped_names_case():
     """Two same-shape parameters passed in another order on rank 1: by position their per-parameter
     norms would be swapped (the total stays right); by name the ranks disagree, and all say so."""
