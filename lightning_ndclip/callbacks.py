@@ -41,7 +41,9 @@ class GlobalNormClip(Callback):
             optimizer leaves parameters and state unchanged, counts the step in
             ``grad_norm/skipped_steps`` and warns; ``"raise"`` raises ``RuntimeError``; ``"clip"``
             scales anyway (gradients become non-finite, as with PyTorch). ``"skip"`` and ``"raise"``
-            read one boolean on the host per step; ``"clip"`` never synchronizes.
+            read one boolean on the host per step, and first compute a non-finite norm again with
+            float64 sums (finite gradients above about 1e19 overflow float32 sums of squares);
+            ``"clip"`` never synchronizes (on accelerators such a norm stays ``inf``).
         log_every_n_steps: log at the optimizer steps Lightning writes to the logger with this
             period (step ``s`` when ``(s + 1) % log_every_n_steps == 0``, and the last step of a
             run); default: the Trainer's ``log_every_n_steps``; use a multiple of it (values logged
@@ -161,7 +163,10 @@ class GlobalNormClip(Callback):
             kwargs["pp_mesh"] = getattr(trainer.strategy, "pipeline_mesh", None)
         if kwargs["tied_parameters"] is None:
             kwargs["tied_parameters"] = getattr(trainer.strategy, "tied_parameters", None)
-        norms = grad_norms(named, self.norm_type, per_tensor=per_tensor, **kwargs)
+        # the total is read below anyway (unless nonfinite="clip"): an overflowed float32 sum is redone in float64
+        norms = grad_norms(
+            named, self.norm_type, per_tensor=per_tensor, retry_overflow=self.nonfinite != "clip" or None, **kwargs
+        )
         total = norms.total
         if self.nonfinite != "clip" and not bool(torch.isfinite(total)):
             coef = norms.clip_coef(self.max_norm)

@@ -359,26 +359,44 @@ def _global_norm(
     pp_mesh: DeviceMesh | None,
     group: dist.ProcessGroup | None,
     accumulate_dtype: torch.dtype | None,
+    retry_overflow: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, NormPlan, list[torch.Tensor]]:
-    """The core: returns (total norm, per-slot norms or None, plan, local tensors to scale)."""
+    """The core: returns (total norm, per-slot norms or None, plan, local tensors to scale).
+
+    A p-norm accumulated in float32 overflows once elements pass about 1.8e19 (their squares pass
+    float32's range) while the norm itself is far inside it. Accumulating in float64 always cost
+    4-16x on CPU (``benchmarks/results/local_norm_cpu_2_threads.md``), so instead a non-finite total
+    is computed again in float64 (every rank sees the same total, so all do): with ``retry_overflow``,
+    or by default where reading the total costs no device sync (CPU)."""
     norm_type = float(norm_type)
     if not (norm_type > 0):
         raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}")
     is_inf = math.isinf(norm_type)
     context = (id(pp_mesh), id(group), is_inf, per_tensor)
     entry = _cached_plan(grads, names, tie_keys, pp_mesh, group, context)
+
+    def norm_with(acc: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None, NormPlan, list[torch.Tensor]]:
+        return _norm_with(entry, grads, norm_type, is_inf, context, per_tensor, foreach, acc)
+
     try:
-        return _norm_with(entry, grads, norm_type, is_inf, context, per_tensor, foreach, accumulate_dtype)
+        result = norm_with(accumulate_dtype)
     except _PlansDiffer:  # some rank's plan differs or it had none: agree on one (or all raise), once
         entry = _exchange(grads, names, tie_keys, pp_mesh, group, diverged=True)
         _lru_put(_plans, _plan_key(grads, names, tie_keys, pp_mesh, group), entry)
-    try:
-        return _norm_with(entry, grads, norm_type, is_inf, context, per_tensor, foreach, accumulate_dtype)
-    except _PlansDiffer:
-        raise RuntimeError(
-            "ranks used different norm plans in the same call even after exchanging them; every rank of a "
-            "stage must pass gradients of the same layout"
-        ) from None
+        try:
+            result = norm_with(accumulate_dtype)
+        except _PlansDiffer:
+            raise RuntimeError(
+                "ranks used different norm plans in the same call even after exchanging them; every rank of "
+                "a stage must pass gradients of the same layout"
+            ) from None
+    total, per_slot, plan, to_scale = result
+    if retry_overflow is None:
+        retry_overflow = total.device.type == "cpu"
+    if retry_overflow and not is_inf and total.dtype != torch.float64 and not bool(torch.isfinite(total)):
+        total64, per_slot64, _, _ = norm_with(torch.float64)
+        total, per_slot = total64.to(total.dtype), None if per_slot64 is None else per_slot64.to(total.dtype)
+    return total, per_slot, plan, to_scale
 
 
 def _norm_with(
@@ -469,6 +487,7 @@ def get_total_norm(
     tied: Mapping[str, torch.Tensor] | None = None,
     process_group: dist.ProcessGroup | None = None,
     accumulate_dtype: torch.dtype | None = None,
+    retry_overflow: bool | None = None,
 ) -> torch.Tensor:
     r"""The exact global norm of ``tensors`` (usually gradients) over every rank that holds part of them.
 
@@ -495,6 +514,11 @@ def get_total_norm(
         accumulate_dtype: dtype of the local sums and of the result; default ``float32``, or
             ``float64`` if any rank holds a ``float64`` tensor. The cross-rank sum is always done in
             ``float64``.
+        retry_overflow: when the total comes out non-finite, compute it again with float64
+            accumulation (on every rank, which all see the same total): a float32 sum of squares
+            overflows for elements above about 1.8e19 although the norm fits. Reads the total on
+            the host. ``None`` (default): where that is free, on CPU, or with ``error_if_nonfinite``;
+            on accelerators the plain call never syncs, and an overflowed total stays ``inf``.
 
     Returns:
         The total norm, a 0-dim tensor of ``accumulate_dtype``, identical on every rank.
@@ -514,6 +538,7 @@ def get_total_norm(
         pp_mesh=pp_mesh,
         group=process_group,
         accumulate_dtype=accumulate_dtype,
+        retry_overflow=(error_if_nonfinite or None) if retry_overflow is None else retry_overflow,
     )
     if error_if_nonfinite:
         _raise_if_nonfinite(total, norm_type)
@@ -583,6 +608,7 @@ def clip_grad_norm_(
     tied_parameters: Mapping[str, torch.Tensor] | None = None,
     process_group: dist.ProcessGroup | None = None,
     accumulate_dtype: torch.dtype | None = None,
+    retry_overflow: bool | None = None,
 ) -> torch.Tensor:
     r"""Clip the gradients of ``parameters`` to a global norm of at most ``max_norm``, exactly.
 
@@ -595,8 +621,8 @@ def clip_grad_norm_(
     Args:
         parameters: a tensor or an iterable of tensors whose gradients are clipped.
         max_norm: the maximum global norm.
-        norm_type, error_if_nonfinite, foreach, pp_mesh, process_group, accumulate_dtype: as in
-            :func:`get_total_norm`.
+        norm_type, error_if_nonfinite, foreach, pp_mesh, process_group, accumulate_dtype,
+            retry_overflow: as in :func:`get_total_norm`.
         tied_parameters: ``{key: parameter}`` for parameters held by several pipeline stages as one
             logical parameter, gradients already summed over the holders; counted once.
 
@@ -614,6 +640,7 @@ def clip_grad_norm_(
         pp_mesh=pp_mesh,
         group=process_group,
         accumulate_dtype=accumulate_dtype,
+        retry_overflow=(error_if_nonfinite or None) if retry_overflow is None else retry_overflow,
     )
     if error_if_nonfinite:
         _raise_if_nonfinite(total, norm_type)
@@ -631,6 +658,7 @@ def grad_norms(
     tied_parameters: Mapping[str, torch.Tensor] | None = None,
     process_group: dist.ProcessGroup | None = None,
     accumulate_dtype: torch.dtype | None = None,
+    retry_overflow: bool | None = None,
 ) -> GradNorms:
     """The exact global norm and, from the same single all-reduce, the exact global norm of every
     parameter world-wide (all pipeline stages), for logging.
@@ -639,8 +667,8 @@ def grad_norms(
         named_parameters: ``(name, parameter)`` pairs, or a module (its ``named_parameters()``).
         per_tensor: also return the per-parameter norms (costs one extra local pass over the
             gradients instead of the coalesced one, and a slot per parameter in the all-reduce).
-        norm_type, foreach, pp_mesh, tied_parameters, process_group, accumulate_dtype: as in
-            :func:`clip_grad_norm_`.
+        norm_type, foreach, pp_mesh, tied_parameters, process_group, accumulate_dtype,
+            retry_overflow: as in :func:`clip_grad_norm_` (``None``: on CPU only).
     """
     if isinstance(named_parameters, torch.nn.Module):
         named_parameters = named_parameters.named_parameters()
@@ -658,5 +686,6 @@ def grad_norms(
         pp_mesh=pp_mesh,
         group=process_group,
         accumulate_dtype=accumulate_dtype,
+        retry_overflow=retry_overflow,
     )
     return GradNorms(total=total, per_tensor=per_slot, names=plan.slot_names, _to_scale=tuple(to_scale))

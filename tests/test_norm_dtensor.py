@@ -331,3 +331,38 @@ def _bf16_case():
 
 def test_bf16_accumulates_in_fp32_or_fp64():
     run_on_ranks(4, _bf16_case)
+
+
+def _huge_case(dtype):
+    """Finite gradients whose squares overflow float32 (elements ~1e20, norm ~1e22): the norm is
+    computed again in float64 where the total is read (CPU; retry_overflow=True), per parameter too;
+    ``retry_overflow=False`` leaves the float32 sum's inf."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    full = [(_full((64, 32), i) * 1e20).to(dtype) for i in range(2)] + [_full((8, 4), 2).to(dtype)]
+    named = []
+    for i, f in enumerate(full):
+        p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(f), mesh, [Shard(0), Shard(1)]))
+        p.grad = distribute_tensor(f, mesh, [Shard(0), Shard(1)])
+        named.append((f"p{i}", p))
+    grads = [p.grad for _, p in named]
+    norms = nd.grad_norms(named, per_tensor=True)
+    return {
+        "total": float(nd.get_total_norm(grads)),
+        "clip": float(nd.clip_grad_norm_([p for _, p in named], 1e30)),
+        "per_tensor": [float(v) for v in norms.per_tensor],
+        "grad_norms_total": float(norms.total),
+        "no_retry": float(nd.get_total_norm(grads, retry_overflow=False)),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finite_gradients_whose_squares_overflow_float32_give_the_exact_norm(dtype):
+    full = [(_full((64, 32), i) * 1e20).to(dtype) for i in range(2)] + [_full((8, 4), 2).to(dtype)]
+    expected = reference_norm(full, 2.0)
+    assert math.isinf(float(torch.nn.utils.get_total_norm(full)))  # torch's float32 sums overflow
+    for r in run_on_ranks(4, _huge_case, dtype):
+        for key in ("total", "clip", "grad_norms_total"):
+            assert_close(torch.tensor(r[key], dtype=torch.float64), expected, rtol=1e-6)
+        for got, f in zip(r["per_tensor"], full):
+            assert_close(torch.tensor(got, dtype=torch.float64), reference_norm([f], 2.0), rtol=1e-6)
+        assert math.isinf(r["no_retry"])
