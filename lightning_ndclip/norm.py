@@ -20,7 +20,6 @@ ones for what a single device does not need (pipeline mesh, tied parameters, pro
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar, cast
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_ndclip._cache import GrowingLRU
 from lightning_ndclip._compat import (
     device_has_foreach_support,
     disable_torch_function_subclass,
@@ -45,9 +45,7 @@ from lightning_ndclip.runs import RunFinder
 __all__ = ["GradNorms", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norms"]
 
 T = TypeVar("T")
-V = TypeVar("V")
 _EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_
-_MAX_CACHED_PLANS = 16
 
 
 @dataclass(frozen=True)
@@ -111,9 +109,9 @@ class _CachedPlan:
         return self.constants[full_key]
 
 
-_plans: OrderedDict[tuple, _CachedPlan] = OrderedDict()
+_plans: GrowingLRU[_CachedPlan] = GrowingLRU()
 # for clip_grads_with_norm_, by layout: a finder, the padding and the specs whose ids the key holds
-_scale_finders: OrderedDict[tuple, tuple[RunFinder, tuple[int, ...], tuple]] = OrderedDict()
+_scale_finders: GrowingLRU[tuple[RunFinder, tuple[int, ...], tuple]] = GrowingLRU()
 
 
 def _locals(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -162,7 +160,7 @@ def _cached_plan(
         everyone = record is None or _probe(record[0], context[2], group, grads)
         return _exchange(grads, names, tie_keys, pp_mesh, group, diverged=not everyone)
 
-    return _lru_get(_plans, _plan_key(grads, names, tie_keys, pp_mesh, group), make)
+    return _plans.get(_plan_key(grads, names, tie_keys, pp_mesh, group), make)
 
 
 def _exchange(
@@ -238,24 +236,6 @@ def _padding(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
 def _specs(tensors: Sequence[torch.Tensor]) -> tuple:
     """The DTensor specs whose ids a layout key holds: a cache entry keeps them alive."""
     return tuple(dtensor_spec(t) for t in tensors if isinstance(t, DTensor))
-
-
-def _lru_get(cache: OrderedDict[tuple, V], key: tuple, make: Callable[[], V]) -> V:
-    """``cache[key]``, made on a miss; the least recently used entries beyond the limit are dropped."""
-    entry = cache.get(key)
-    if entry is None:
-        return _lru_put(cache, key, make())
-    cache.move_to_end(key)
-    return entry
-
-
-def _lru_put(cache: OrderedDict[tuple, V], key: tuple, entry: V) -> V:
-    """Store ``entry`` as the most recently used; drop the least recently used beyond the limit."""
-    cache[key] = entry
-    cache.move_to_end(key)
-    while len(cache) > _MAX_CACHED_PLANS:
-        cache.popitem(last=False)
-    return entry
 
 
 def _by_device_and_dtype(items: Iterable[T], tensors: Iterable[torch.Tensor]) -> dict[tuple, list[T]]:
@@ -382,7 +362,7 @@ def _global_norm(
         result = norm_with(accumulate_dtype)
     except _PlansDiffer:  # some rank's plan differs or it had none: agree on one (or all raise), once
         entry = _exchange(grads, names, tie_keys, pp_mesh, group, diverged=True)
-        _lru_put(_plans, _plan_key(grads, names, tie_keys, pp_mesh, group), entry)
+        _plans.put(_plan_key(grads, names, tie_keys, pp_mesh, group), entry)
         try:
             result = norm_with(accumulate_dtype)
         except _PlansDiffer:
@@ -557,9 +537,7 @@ def _scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool |
 
 def _scale_runs(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The contiguous runs covering every local element of ``grads`` (see :mod:`lightning_ndclip.runs`)."""
-    finder, padding, _ = _lru_get(
-        _scale_finders, _layout_key(grads), lambda: (RunFinder(), _padding(grads), _specs(grads))
-    )
+    finder, padding, _ = _scale_finders.get(_layout_key(grads), lambda: (RunFinder(), _padding(grads), _specs(grads)))
     return finder.runs(_locals(grads), [True] * len(grads), padding).to_scale
 
 

@@ -204,7 +204,7 @@ def _recorded_mesh_case():
     total = float(nd.get_total_norm(grads, 2.0, pp_mesh=pp_mesh))
     gone = weakref.ref(pp_mesh)
     del pp_mesh
-    for n in range(1, nd.norm._MAX_CACHED_PLANS + 2):  # other layouts evict its cached plan
+    for n in range(1, nd.norm._plans.capacity + 2):  # other layouts evict its cached plan
         nd.get_total_norm([torch.ones(n)], 2.0)
     gc.collect()
     return total, gone() is not None
@@ -366,3 +366,31 @@ def test_finite_gradients_whose_squares_overflow_float32_give_the_exact_norm(dty
         for got, f in zip(r["per_tensor"], full):
             assert_close(torch.tensor(got, dtype=torch.float64), reference_norm([f], 2.0), rtol=1e-6)
         assert math.isinf(r["no_retry"])
+
+
+def _cycling_layouts_case(max_capacity):
+    """40 layouts used in turn, as with one optimizer per layer: collectives per round of 40 calls."""
+    from lightning_ndclip import norm
+
+    norm._plans.clear()
+    norm._plans.capacity, norm._plans.max_capacity = 16, max_capacity
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    layouts = [[distribute_tensor(_full((2, n), n), mesh, [Shard(0)])] for n in range(1, 41)]
+    counts = []
+    try:
+        for _ in range(4):
+            with CommDebugMode() as comm:
+                for grads in layouts:
+                    nd.get_total_norm(grads)
+            counts.append(comm.get_total_counts())
+    finally:
+        norm._plans.clear()
+        norm._plans.capacity, norm._plans.max_capacity = 16, 4096
+    return counts
+
+
+def test_a_cycle_of_more_layouts_than_the_cache_holds_settles_to_one_collective_per_call():
+    counts = run_on_ranks(2, _cycling_layouts_case, 4096, timeout=60)[0]
+    assert counts[-2:] == [40, 40], counts
+    fixed = run_on_ranks(2, _cycling_layouts_case, 16, timeout=60)[0]  # a fixed LRU of 16 rebuilds every plan
+    assert min(fixed[1:]) > 3 * 40, fixed

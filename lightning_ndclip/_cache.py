@@ -1,0 +1,59 @@
+"""A least-recently-used cache whose capacity grows when the keys it dropped come back.
+
+The norm caches one plan per gradient layout. A model may use more layouts than a fixed capacity in
+a cycle (an optimizer per layer, optimizer-in-backward, alternating sub-models): a fixed LRU then
+misses on every call and rebuilds each plan with a collective exchange. Here a miss on a key dropped
+earlier doubles the capacity (up to ``max_capacity``), so a cycle of any length up to that settles
+after one round; layouts that never recur (nothing comes back) stay bounded by the capacity.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+V = TypeVar("V")
+
+
+class GrowingLRU(Generic[V]):
+    """``cache.get(key, make)``: the entry, made on a miss; least recently used entries beyond the
+    capacity are dropped. Every rank that makes the same calls makes the same hits and misses."""
+
+    def __init__(self, capacity: int = 16, max_capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self.max_capacity = max_capacity
+        self._entries: OrderedDict[Hashable, V] = OrderedDict()
+        self._dropped: OrderedDict[Hashable, None] = OrderedDict()  # keys only, at most max_capacity
+
+    def get(self, key: Hashable, make: Callable[[], V]) -> V:
+        entry = self._entries.get(key)
+        if entry is None:
+            if key in self._dropped:
+                self.capacity = min(2 * self.capacity, self.max_capacity)
+            return self.put(key, make())
+        self._entries.move_to_end(key)
+        return entry
+
+    def put(self, key: Hashable, entry: V) -> V:
+        """Store ``entry`` as the most recently used."""
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        self._dropped.pop(key, None)
+        while len(self._entries) > self.capacity:
+            dropped, _ = self._entries.popitem(last=False)
+            self._dropped[dropped] = None
+        while len(self._dropped) > self.max_capacity:
+            self._dropped.popitem(last=False)
+        return entry
+
+    def values(self) -> list[V]:
+        """The entries, least recently used first."""
+        return list(self._entries.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._dropped.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
