@@ -104,8 +104,18 @@ class PipelineRunner:
                     f"{type(module).__name__} overrides configure_model() (building its own stages) and "
                     "NDParallelStrategy got pp_split_points / pp_tied_parameters / a declarative plan: use one way"
                 )
-        elif not isinstance(getattr(module, config.module, None), nn.Module):
+            return
+        model = getattr(module, config.module, None)
+        if not isinstance(model, nn.Module):
             raise ValueError(f"pp_module={config.module!r}: the LightningModule has no submodule of that name")
+        if not isinstance(model, _PipelineStages):  # (an earlier Trainer's cut was checked then)
+            names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+            for tie in config.tied:
+                if unknown := [n for n in tie if n not in names]:
+                    raise ValueError(
+                        f"pp_tied_parameters entry {list(tie)}: {unknown} is not a parameter name of "
+                        f"{config.module} (names are relative to it, e.g. {sorted(names)[:3]})"
+                    )
 
     def setup(self, module: pl.LightningModule, meshes: ParallelMeshes, plan: Mapping[str, Any]) -> None:
         """Cut ``module``'s ``config.module`` into this rank's stages, parallelize each (``plan``: the

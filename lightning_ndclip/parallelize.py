@@ -20,16 +20,24 @@ from lightning_ndclip.mesh import ParallelMeshes
 __all__ = ["parallelize"]
 
 
-def _replace_children(module: nn.Module, classes: tuple[type[nn.Module], ...]) -> int:
+def _replace_children(module: nn.Module, classes: tuple[type[nn.Module], ...]) -> None:
     """Wrap every submodule of one of ``classes`` in an activation-checkpoint wrapper."""
-    count = 0
     for name, child in module.named_children():
         if isinstance(child, classes):
             setattr(module, name, checkpoint_wrapper(child))
-            count += 1
         else:
-            count += _replace_children(child, classes)
-    return count
+            _replace_children(child, classes)
+
+
+def _check_classes(module: nn.Module, argument: str, classes: Sequence[type[nn.Module]]) -> None:
+    """Raise, naming them, if some of ``classes`` have no instance among ``module``'s submodules."""
+    present = {type(m) for m in module.modules() if m is not module}
+    missing = [c.__name__ for c in classes if not any(issubclass(t, c) for t in present)]
+    if missing:
+        raise ValueError(
+            f"{argument}: {missing} match no submodule of {type(module).__name__} (its submodules are of classes "
+            f"{sorted(t.__name__ for t in present)})"
+        )
 
 
 def _matches(name: str, key: str) -> bool:
@@ -69,9 +77,12 @@ def parallelize(
             unit's parameters in that unit's forward.
 
     Raises:
-        ValueError: naming the argument, when a class or a ``tp_plan`` key matches no submodule, or
-            a TP plan is given without a ``tp`` dim.
+        ValueError: before changing ``module``, naming the argument and the entries, when an
+            ``fsdp_units`` or ``activation_checkpointing`` class or a ``tp_plan`` key matches no
+            submodule, or a TP plan is given without a ``tp`` dim.
     """
+    _check_classes(module, "fsdp_units", fsdp_units)
+    _check_classes(module, "activation_checkpointing", activation_checkpointing)
     if tp_plan:
         if meshes["tp"].size() == 1:
             raise ValueError("tp_plan was given but tp=1; set tp > 1 or drop tp_plan")
@@ -84,16 +95,12 @@ def parallelize(
             )
         parallelize_module(module, meshes["tp"], dict(tp_plan))
     if activation_checkpointing:
-        classes = tuple(activation_checkpointing)
-        if _replace_children(module, classes) == 0:
-            raise ValueError(f"activation_checkpointing={[c.__name__ for c in classes]} matches no submodule")
+        _replace_children(module, tuple(activation_checkpointing))
     fsdp_kwargs: dict[str, Any] = {"mesh": meshes["fsdp"]}
     if mp_policy is not None:
         fsdp_kwargs["mp_policy"] = mp_policy
     units = tuple(fsdp_units)
     matched = [m for m in module.modules() if units and isinstance(m, units) and m is not module]
-    if units and not matched:
-        raise ValueError(f"fsdp_units={[c.__name__ for c in units]} matches no submodule")
     for unit in matched:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **fsdp_kwargs)
     for root in [module] if root_units is None else root_units:

@@ -332,6 +332,23 @@ def test_trainer_ties_embedding_and_head_across_stages():
         assert {"embed.weight", "head.weight"} & set(r["params"])
 
 
+def _misspelled_tie_case() -> str:
+    use_existing_process_group()
+    strategy = nd.NDParallelStrategy(
+        pp=2, pp_split_points=["layers.2"], pp_microbatches=2, pp_tied_parameters=[("embed.weight", "head.wieght")],
+    )
+    with pytest.raises(ValueError) as info:
+        _fit_two_windows(_TiedPipelinedLM(), strategy, devices=2, steps=1)
+    return str(info.value)
+
+
+def test_a_tied_parameter_name_that_is_no_parameter_is_an_error_naming_it():
+    """'head.wieght' lies in the unit 'head', so the stage check alone passed it: the last stage then
+    had no copy to tie, and both ranks hung (seen: the harness's 120 s timeout)."""
+    for message in run_on_ranks(2, _misspelled_tie_case):
+        assert "['head.wieght'] is not a parameter name of model" in message, message
+
+
 class _AdamPipelinedLM(_PipelinedLM):
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-2)

@@ -395,18 +395,33 @@ def _declarative_case(dp_replicate: int, dp_shard: int, tp: int) -> dict:
     }
 
 
-def _unmatched_plan_case() -> str:
+def _unmatched_plan_case(argument: str) -> str:
     use_existing_process_group()
-    plan = {"net.0": ColwiseParallel(), "net.9": RowwiseParallel(), "head.*": ColwiseParallel()}
-    strategy = NDParallelStrategy(tp=2, tp_plan=plan, fsdp_units=(torch.nn.Linear,))
+    plans = {
+        "tp_plan": {"tp_plan": {"net.0": ColwiseParallel(), "net.9": RowwiseParallel(), "head.*": ColwiseParallel()}},
+        "fsdp_units": {"fsdp_units": (torch.nn.Linear, torch.nn.Conv2d)},
+        "activation_checkpointing": {"activation_checkpointing": (torch.nn.Tanh, torch.nn.GRU)},
+    }
+    strategy = NDParallelStrategy(tp=2, **{"fsdp_units": (torch.nn.Linear,), **plans[argument]})
+    module = _PlainModule()
+    before = {n: type(m) for n, m in module.named_modules()}
     with pytest.raises(ValueError) as info:
-        _trainer(strategy, devices=2, logger=False).fit(_PlainModule())
+        _trainer(strategy, devices=2, logger=False).fit(module)
+    assert {n: type(m) for n, m in module.named_modules()} == before  # refused before changing anything
     return str(info.value)
 
 
-def test_a_tp_plan_key_that_matches_nothing_is_an_error_naming_it():
-    for message in run_on_ranks(2, _unmatched_plan_case):
-        assert "tp_plan entries ['net.9', 'head.*'] match no submodule" in message
+@pytest.mark.parametrize(
+    "argument, expected",
+    [
+        ("tp_plan", "tp_plan entries ['net.9', 'head.*'] match no submodule"),
+        ("fsdp_units", "fsdp_units: ['Conv2d'] match no submodule"),
+        ("activation_checkpointing", "activation_checkpointing: ['GRU'] match no submodule"),
+    ],
+)
+def test_a_plan_entry_that_matches_nothing_is_an_error_naming_it(argument, expected):
+    for message in run_on_ranks(2, _unmatched_plan_case, argument):
+        assert expected in message
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 2), (2, 2, 1), (2, 2, 2)], ids=["fsdp2xtp2", "hsdp2x2", "hsdp2x2xtp2"])
