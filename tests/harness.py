@@ -36,6 +36,7 @@ import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable
+from datetime import timedelta
 from multiprocessing import connection, get_context
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,9 @@ ERROR_GRACE_S = 5.0
 """After a rank raised, how long the other ranks may take to answer before the pool is killed."""
 STARTUP_TIMEOUT_S = 180.0
 """How long a new pool may take until every rank has joined the process group."""
+COLLECTIVE_TIMEOUT_S = 60.0
+"""The workers' process-group timeout (gloo's default is 30 minutes): a collective that some rank
+never joins raises on the ranks waiting in it, inside a task's default 120 s."""
 
 _TESTS_DIR = Path(__file__).resolve().parent
 _REPO_ROOT = _TESTS_DIR.parent
@@ -269,7 +273,10 @@ def _worker_main(rank: int, world_size: int, store: str, conn: connection.Connec
     stacks = open(stack_file, "w")  # noqa: SIM115 - kept open for the worker's lifetime
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"file://{store}")
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, init_method=f"file://{store}",
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
     except BaseException:
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         raise

@@ -181,6 +181,7 @@ def test_logged_norms_and_parameters_match_single_device(dp, tp, tmp_path):
     )
 
 
+@pytest.mark.faults
 def test_nonfinite_step_is_skipped_on_every_rank(tmp_path):
     _, ref_params = _reference(2, max_norm=0.3, nonfinite_step=1)  # step 1 skipped
     results = run_on_ranks(2, _fit_case, 2, 1, 0.3, str(tmp_path), 1)

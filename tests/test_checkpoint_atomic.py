@@ -22,6 +22,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from lightning_ndclip import NDParallelStrategy
 
+pytestmark = pytest.mark.faults
+
 
 class _Capture(MlpModule):
     """Keeps the full parameters as training starts, i.e. as the checkpoint restored them."""

@@ -307,6 +307,7 @@ def _out_of_range_case(bad_id_offset: int) -> str:
     return str(info.value)
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("bad_id_offset", [0, 5], ids=["id-equal-to-num_samples", "id-beyond"])
 def test_a_sample_id_out_of_range_raises_on_every_rank(bad_id_offset):
     """An id equal to num_samples used to get weight 0 silently (and one beyond it an IndexError

@@ -114,6 +114,7 @@ def _partial_case():
     return str(info.value)
 
 
+@pytest.mark.faults
 def test_partial_refused_on_every_rank_naming_the_tensor():
     messages = run_on_ranks(2, _partial_case, timeout=60)
     for m in messages:
@@ -129,6 +130,7 @@ def _mismatch_case():
     return str(info.value)
 
 
+@pytest.mark.faults
 def test_ranks_that_disagree_fail_together_with_the_difference_named():
     for m in run_on_ranks(2, _mismatch_case, timeout=60):
         assert "rank 1 holds 3 gradient tensors but rank 0" in m
@@ -150,6 +152,7 @@ def _diverged_plans_case(norm_type, layout_of_rank):
     return str(info.value)
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("layout_of_rank", [(0, 0, 0, 1), (0, 1, 2, 0)], ids=["two-plans", "three-plans"])
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 def test_ranks_on_different_cached_plans_raise_everywhere(norm_type, layout_of_rank):
@@ -182,6 +185,7 @@ def _changed_layout_case(norm_type, per_tensor, who_changes):
     return str(info.value)
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("per_tensor", [False, True])
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 def test_a_rank_whose_gradient_set_changes_raises_everywhere_instead_of_hanging(norm_type, per_tensor):
@@ -210,6 +214,7 @@ def _recorded_mesh_case():
     return total, gone() is not None
 
 
+@pytest.mark.faults
 def test_the_norm_keeps_the_mesh_of_its_record_alive_so_no_new_mesh_takes_its_id():
     expected = reference_norm([_full((3, 2), 0), _full((3, 2), 1)], 2.0)
     for total, alive in run_on_ranks(2, _recorded_mesh_case, timeout=60):
@@ -229,6 +234,7 @@ def _swapped_names_case():
     return str(info.value)
 
 
+@pytest.mark.faults
 def test_per_parameter_norms_go_by_name_and_ranks_that_disagree_raise_everywhere():
     for message in run_on_ranks(2, _swapped_names_case, timeout=60):
         assert "tensor #0 is 'a' on rank 0 but 'b' on rank 1" in message
@@ -246,6 +252,7 @@ def _nonfinite_case(bad):
     return out
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_nonfinite_on_one_rank_is_nonfinite_everywhere(bad):
     for two, inf in run_on_ranks(4, _nonfinite_case, bad):
@@ -269,6 +276,7 @@ def _nonfinite_copy_case(bad, tp_rank):
     return out
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("tp_rank", [0, 1])
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_a_nonfinite_copy_that_is_not_counted_is_nonfinite_everywhere(bad, tp_rank):
@@ -295,6 +303,7 @@ def _nonfinite_per_parameter_case():
     return out
 
 
+@pytest.mark.faults
 def test_a_nan_in_one_shard_makes_that_parameters_norm_nonfinite_everywhere():
     """A MAX all-reduce may drop a nan (gloo keeps whichever operand it holds): per-parameter inf
     norms carry it as inf. 2-norms and totals stay nan."""
@@ -355,6 +364,7 @@ def _huge_case(dtype):
     }
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_finite_gradients_whose_squares_overflow_float32_give_the_exact_norm(dtype):
     full = [(_full((64, 32), i) * 1e20).to(dtype) for i in range(2)] + [_full((8, 4), 2).to(dtype)]

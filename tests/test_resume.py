@@ -22,6 +22,8 @@ from lightning_ndclip import GlobalNormClip, NDParallelStrategy
 
 DP, MOMENTUM, MAX_NORM = 2, 0.9, 0.05
 
+pytestmark = pytest.mark.faults
+
 
 class _ResumableLoader(DataLoader):
     """A DataLoader that restores its position within the epoch, as torchdata's StatefulDataLoader."""

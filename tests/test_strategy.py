@@ -61,6 +61,7 @@ def _wrong_world_case() -> str:
     return str(info.value)
 
 
+@pytest.mark.faults
 def test_world_size_mismatch_fails_on_every_rank_before_any_collective():
     for message in run_on_ranks(2, _wrong_world_case, timeout=60):
         assert "dp_shard=2 x cp=1 x tp=2 = 4, but world_size=2" in message
@@ -208,6 +209,7 @@ def test_token_mean_with_accumulation_and_a_partial_window_matches_single_device
             assert abs(ours - ref) <= 1e-10 * ref
 
 
+@pytest.mark.faults
 def test_the_per_rank_mean_without_the_strategy_or_taken_for_a_sum_is_detectably_wrong():
     _, ref_params, _ = _token_reference(2)
     biased = run_on_ranks(2, _token_fit_case, 2, None)  # FSDP averages per-rank means
@@ -239,6 +241,7 @@ def _bad_count_case(bad) -> str:
     return str(info.value)
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("bad", [-3, float("nan"), 2.5, float("inf")])
 def test_a_bad_token_count_raises_the_same_error_on_every_rank(bad):
     messages = run_on_ranks(2, _bad_count_case, bad, timeout=60)
@@ -260,6 +263,7 @@ def _dict_without_loss_case() -> str:
     return str(info.value)
 
 
+@pytest.mark.faults
 def test_a_dict_without_loss_names_its_keys():
     (message,) = run_on_ranks(1, _dict_without_loss_case)
     assert "without a 'loss' key" in message and "logits_sum" in message
@@ -411,6 +415,7 @@ def _unmatched_plan_case(argument: str) -> str:
     return str(info.value)
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     "argument, expected",
     [
