@@ -35,6 +35,7 @@ from typing_extensions import override
 
 from lightning_ndclip import _compat
 from lightning_ndclip.checkpoint import refuse_incomplete_checkpoint, save_distributed_checkpoint_atomically
+from lightning_ndclip.coverage import check_data_parallel_reduction
 from lightning_ndclip.lightning_pipeline import PipelineConfig, PipelineRunner
 from lightning_ndclip.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError
 from lightning_ndclip.parallelize import parallelize
@@ -443,18 +444,16 @@ class NDParallelStrategy(ModelParallelStrategy):
         _compat.materialize_distributed_module(model, self.root_device)
         self.model = self.precision_plugin.convert_module(model)
         self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:  # exact mode: a parameter nothing reduces is an error
+            check_data_parallel_reduction(model, self.meshes, unreduced="raise" if self._sum_reduction else "warn")
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
-        if self._sum_reduction and use_sum_reduction(self._wrapped_model) == 0 and self.meshes["dp_cp"].size() > 1:
-            raise ValueError(
-                "NDParallelStrategy(sum_reduction=True) found no fully_shard unit in the model after "
-                "configure_model(), so gradients would not be reduced over the data ranks; apply "
-                "fully_shard there, or leave sum_reduction off"
-            )
+        if self._sum_reduction:
+            use_sum_reduction(self._wrapped_model)
         if self._init_sync:
             broadcast_replicas_(module)
             if self._pipeline is not None:

@@ -531,3 +531,43 @@ def test_declarative_mixed_precision_policy_reaches_every_unit():
     result = run_on_ranks(2, _mp_policy_case)[0]
     assert result["param_dtype"] == {torch.bfloat16}
     assert abs(result["norms"][0] - ref_norms[0]) <= 2e-2 * ref_norms[0]  # bf16 compute, fp32 norm
+
+
+class _SubMeshModule(MlpModule):
+    """Shards over dp_shard_cp only (the HSDP trap), or leaves a parameter outside every unit."""
+
+    def __init__(self, trap: str) -> None:
+        super().__init__(tp=False)
+        self.trap = trap
+        if trap == "outside":
+            self.temperature = torch.nn.Parameter(torch.ones((), dtype=torch.float64))
+
+    def configure_model(self) -> None:
+        meshes = self.trainer.strategy.meshes
+        mesh = meshes["dp_shard_cp"] if self.trap == "sub_mesh" else meshes["fsdp"]
+        for i in (0, 2, 4):
+            fully_shard(self.net[i], mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+
+def _hsdp_trap_case(trap: str) -> str:
+    use_existing_process_group()
+    module = _SubMeshModule(trap)
+    with pytest.raises(ValueError) as info:
+        # a sub-mesh is refused in every mode; a parameter nothing reduces in the exact (SUM) mode
+        strategy = NDParallelStrategy(dp_replicate=2, dp_shard=2, sum_reduction=trap == "outside")
+        _trainer(strategy, devices=4, logger=False).fit(module)
+    return str(info.value)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize(
+    "trap, expected",
+    [
+        ("sub_mesh", "'net.0.weight' has its gradient summed over ranks [0, 1] only, missing the data dims ['dp_replicate']"),
+        ("outside", "parameter 'temperature' is in no fully_shard unit"),
+    ],
+)
+def test_a_parameter_reduced_over_part_of_its_data_ranks_is_refused_naming_it(trap, expected):
+    messages = run_on_ranks(4, _hsdp_trap_case, trap)
+    assert all(expected in m and m.startswith("rank 0: ") for m in messages), messages
