@@ -1,0 +1,89 @@
+"""Every Python block of README.md and docs/ runs here, or says in its first line why it cannot.
+
+A block runs in a fresh namespace in a harness worker of world size 1 (a gloo group of one rank),
+so it must be complete: imports, a model, data. A block whose first line is ``# not run: <why>``
+is collected and reported as skipped with that reason; the reason is visible on the page.
+
+An HTML comment on the line before a block, invisible on the rendered page, may give the block
+what the page's prose already gave the reader, and check its result::
+
+    <!-- run: before=tiny_model_with_grads after=clip_matches_torch -->
+
+``ranks=N`` runs it on N ranks (one gloo group of N) instead of 1; ``launch=torchrun`` lets a
+script's own ``dist.init_process_group(...)`` find that group, as under ``torchrun``;
+``continues=above`` runs the page's previous block (its chain, with its options) first, in the
+same namespace. ``before`` names a function of ``doc_snippets.py`` returning the starting namespace
+(e.g. a small model with gradients for a block that says ``model.parameters()``); ``after`` one
+that checks the namespace the block left (e.g. that its norm equals
+``torch.nn.utils.clip_grad_norm_``'s). Blocks run in a scratch working directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+import textwrap
+from pathlib import Path
+from unittest import mock
+
+import pytest
+from harness import run_on_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+_FENCE = re.compile(r"^[ \t]*```python[ \t]*$")
+_RUN = re.compile(r"^[ \t]*<!--\s*run:(?P<args>[^>]*)-->\s*$")
+_NOT_RUN = re.compile(r"^#\s*not run:\s*(?P<why>.+)$")
+
+
+def _blocks() -> list:
+    found = []
+    for page in PAGES:
+        lines = page.read_text(encoding="utf-8").split("\n")
+        page_blocks: list[tuple[str, dict]] = []
+        i = 0
+        while i < len(lines):
+            if _FENCE.match(lines[i]):
+                end = next(j for j in range(i + 1, len(lines)) if lines[j].strip().startswith("```"))
+                run = _RUN.match(lines[i - 1]) if i else None
+                options = dict(kv.split("=", 1) for kv in run["args"].split()) if run else {}
+                source = textwrap.dedent("\n".join(lines[i + 1 : end]))
+                if options.get("continues") == "above":  # the page's previous block (and its chain) first
+                    previous, first = page_blocks[-1]
+                    source, options = previous + "\n\n" + source, {**first, **options}
+                page_blocks.append((source, options))
+                found.append(pytest.param(source, options, id=f"{page.relative_to(ROOT)}:{i + 1}"))
+                i = end
+            i += 1
+    return found
+
+
+def _run_block(source: str, options: dict) -> None:
+    import doc_snippets
+    from test_callbacks import use_existing_process_group
+
+    use_existing_process_group()
+    namespace = getattr(doc_snippets, options["before"])() if "before" in options else {}
+    namespace["__name__"] = "__doc_snippet__"
+    # the worker's gloo group is the one a script's init_process_group would get from torchrun's env
+    launch = mock.patch("torch.distributed.init_process_group") if options.get("launch") == "torchrun" else None
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory() as scratch, launch or contextlib.nullcontext():
+        os.chdir(scratch)  # runs/, lightning_logs/ and checkpoints a block writes land here
+        try:
+            exec(compile(source, "<doc block>", "exec"), namespace)
+            if "after" in options:
+                getattr(doc_snippets, options["after"])(namespace)
+        finally:
+            os.chdir(cwd)
+
+
+@pytest.mark.parametrize("source, options", _blocks())
+def test_every_python_block_runs_or_says_why_not(source, options):
+    first = source.lstrip().split("\n", 1)[0]
+    if reason := _NOT_RUN.match(first):
+        assert len(reason["why"].strip()) >= 10, "say why the block cannot run"
+        pytest.skip(f"not run: {reason['why'].strip()}")
+    run_on_ranks(int(options.get("ranks", 1)), _run_block, source, options, timeout=120)
