@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed import _functional_collectives
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as _checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PRIVATE_NAMES",
     "StridedShard",
+    "all_to_all_autograd",
     "batches_that_stepped",
     "checkpoint_wrapper",
     "concatenate_meshes",
@@ -71,6 +73,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "unflatten_mesh": ("torch.distributed.device_mesh:DeviceMesh._unflatten",),
     "concatenate_meshes": ("torch.distributed.device_mesh:DeviceMesh._concatenate",),
     "root_mesh": ("torch.distributed.device_mesh:DeviceMesh._get_root_mesh",),
+    "all_to_all_autograd": ("torch.distributed._functional_collectives:all_to_all_single_autograd",),
     # Lightning
     "materialize_distributed_module": ("lightning.fabric.utilities.init:_materialize_distributed_module",),
     "optimizers_to_device": ("lightning.fabric.utilities.optimizer:_optimizers_to_device",),
@@ -120,6 +123,10 @@ foreach_mul_ = torch._foreach_mul_
 device_has_foreach_support = _device_has_foreach_support
 """Whether a device has the foreach kernels (reason: the rule ``clip_grad_norm_(foreach=None)`` uses
 to pick them; re-deriving it could disagree with torch)."""
+
+all_to_all_autograd = _functional_collectives.all_to_all_single_autograd
+"""Differentiable all-to-all of rows with split sizes (reason: PyTorch deprecates the public
+``torch.distributed.nn.functional.all_to_all_single`` and names this one as its replacement)."""
 
 disable_torch_function_subclass = torch._C.DisableTorchFunctionSubclass
 """Context manager skipping tensor subclasses' ``__torch_function__`` (reason: reading ``.grad`` of N

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from lightning_ndclip._compat import all_to_all_autograd
 
 __all__ = ["Experts", "MoE", "shard_experts"]
 
@@ -99,8 +100,7 @@ class MoE(nn.Module):
 
 def _exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     """Differentiable all-to-all of rows (the backward sends gradients back the same way)."""
-    out = t.new_empty(sum(out_splits), *t.shape[1:])
-    return dist_fn.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
+    return all_to_all_autograd(t.contiguous(), out_splits, in_splits, group)
 
 
 def shard_experts(moe: MoE, ep_mesh: DeviceMesh) -> MoE:

@@ -3,6 +3,8 @@ has the single-device gradients, global norm and parameters after clipped steps.
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -87,6 +89,18 @@ def _ep_case(ep: int, steps: int, skew: bool) -> dict:
     params = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
     expert_split = nd.grad_norms(model).as_dict()
     return {"norms": norms, "params": params, "expert_norm_names": sorted(k for k in expert_split if "experts" in k)}
+
+
+def _ep_warnings_case() -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _ep_case(2, 1, False)
+    return [str(w.message) for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))]
+
+
+def test_the_token_exchange_uses_no_deprecated_pytorch_api():
+    """torch.distributed.nn.functional.all_to_all_single warned FutureWarning on every call."""
+    assert run_on_ranks(WORLD, _ep_warnings_case) == [[]] * WORLD
 
 
 @pytest.mark.parametrize("ep,skew", [(4, False), (2, False), (4, True)], ids=["ep4", "ep2xedp2", "ep4-idle-ranks"])
