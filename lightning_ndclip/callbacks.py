@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import operator
 import re
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -13,6 +12,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ndclip import _compat
@@ -178,11 +178,10 @@ class GlobalNormClip(Callback):
             for p in params:
                 p.grad = None
             self.skipped_steps += 1
-            warnings.warn(
+            rank_zero_warn(  # every rank skips alike: one warning for the job
                 f"GlobalNormClip: non-finite global gradient norm at step {trainer.global_step}; the "
                 f"optimizer step is skipped on every rank ({self.skipped_steps} skipped so far)",
-                RuntimeWarning,
-                stacklevel=2,
+                category=RuntimeWarning,
             )
         else:
             coef = norms.clip_(self.max_norm)
