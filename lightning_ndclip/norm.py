@@ -599,8 +599,8 @@ def clip_grad_norm_(
     Args:
         parameters: a tensor or an iterable of tensors whose gradients are clipped.
         max_norm: the maximum global norm.
-        norm_type, error_if_nonfinite, foreach, pp_mesh, process_group, accumulate_dtype,
-            retry_overflow: as in :func:`get_total_norm`.
+        norm_type, error_if_nonfinite, foreach, pp_mesh, process_group, accumulate_dtype, retry_overflow: as in
+            :func:`get_total_norm`.
         tied_parameters: ``{key: parameter}`` for parameters held by several pipeline stages as one
             logical parameter, gradients already summed over the holders; counted once.
 
@@ -645,8 +645,8 @@ def grad_norms(
         named_parameters: ``(name, parameter)`` pairs, or a module (its ``named_parameters()``).
         per_tensor: also return the per-parameter norms (costs one extra local pass over the
             gradients instead of the coalesced one, and a slot per parameter in the all-reduce).
-        norm_type, foreach, pp_mesh, tied_parameters, process_group, accumulate_dtype,
-            retry_overflow: as in :func:`clip_grad_norm_` (``None``: on CPU only).
+        norm_type, foreach, pp_mesh, tied_parameters, process_group, accumulate_dtype, retry_overflow: as in
+            :func:`clip_grad_norm_` (``None``: on CPU only).
     """
     if isinstance(named_parameters, torch.nn.Module):
         named_parameters = named_parameters.named_parameters()
