@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import warnings
 from typing import Any
 
 import lightning as L
@@ -59,13 +58,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """NDParallelStrategy's arguments: the declarative plan that parallelizes ``Regressor``."""
-    plan = {"net.0": ColwiseParallel(), "net.2": RowwiseParallel()} if args.tp > 1 else None
-    return dict(tp=args.tp, tp_plan=plan, fsdp_units=(nn.Linear,))
+    if args.tp == 1:  # one FSDP2 unit per linear, and the root
+        return dict(tp=1, tp_plan=None, fsdp_units=(nn.Linear,))
+    # the TP linears stay in the root unit: their outputs are views (DTensor.to_local), and FSDP2
+    # warns when a unit returns a view (an in-place op on it would skip the unit's backward hooks)
+    return dict(tp=args.tp, tp_plan={"net.0": ColwiseParallel(), "net.2": RowwiseParallel()}, fsdp_units=())
 
 
 def main() -> None:
     args = parse_args()
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     if "OMP_NUM_THREADS" not in os.environ:  # Lightning sets it on rank 0 only
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))  # the ranks share the cores
 

@@ -14,7 +14,6 @@ of ``--seq-len`` tokens, padding labelled -100, so ranks hold different numbers 
 from __future__ import annotations
 
 import argparse
-import warnings
 from typing import Any
 
 import lightning as L
@@ -153,7 +152,6 @@ def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     args = parse_args()
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     share_cpu_threads(args.accelerator, args.devices)
 
     strategy = NDParallelStrategy(**strategy_kwargs(args))

@@ -23,7 +23,6 @@ dense weights are sharded over all data ranks. ``GlobalNormClip(expert_pattern=.
 from __future__ import annotations
 
 import argparse
-import warnings
 from typing import Any
 
 import lightning as L
@@ -165,7 +164,6 @@ def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     args = parse_args()
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     share_cpu_threads(args.accelerator, args.devices)
 
     strategy = NDParallelStrategy(**strategy_kwargs(args))

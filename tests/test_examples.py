@@ -12,6 +12,7 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+_WARNING = re.compile(r"^(?P<file>\S+\.py):\d+: \w*Warning: .*$", re.MULTILINE)
 SUMMARY = re.compile(
     r"summary: final loss (?P<loss>\S+), last grad norm (?P<norm>\S+), clip rate (?P<rate>\S+) "
     r"\((?P<clipped>\d+)/(?P<seen>\d+) steps clipped\), skipped steps (?P<skipped>\d+)"
@@ -25,6 +26,9 @@ def _run(script: str, *args: str, cwd: Path, launcher: tuple[str, ...] = ()) -> 
         check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=240,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    ours = [m.group(0) for m in _WARNING.finditer(done.stderr) if m["file"].startswith(str(EXAMPLES.parent))]
+    assert not ours, ours  # no warning from this package or its examples
+    assert "returned a view tensor" not in done.stderr  # FSDP2's: a unit returning a view
     return done.stdout
 
 
