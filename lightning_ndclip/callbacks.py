@@ -12,8 +12,10 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 from lightning_ndclip import _compat
 from lightning_ndclip.norm import GradNorms, grad_norms
@@ -120,6 +122,18 @@ class GlobalNormClip(Callback):
                 f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) and GlobalNormClip both clip "
                 "gradients. Remove gradient_clip_val: GlobalNormClip computes the exact global norm on "
                 "every mesh (Lightning's clipping is exact only on a single mesh)."
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        model = getattr(trainer.strategy, "model", None) or pl_module
+        if isinstance(trainer.strategy, FSDPStrategy) or any(
+            isinstance(m, FullyShardedDataParallel) for m in model.modules()
+        ):
+            raise TypeError(
+                "GlobalNormClip does not support FSDP1 (FullyShardedDataParallel, Lightning's FSDPStrategy): "
+                "its flat parameters are plain tensors holding a different shard on each rank, from which no "
+                "exact norm can be computed. Use FSDP2 (fully_shard), e.g. with ModelParallelStrategy or "
+                "NDParallelStrategy, or keep FSDPStrategy with Trainer(gradient_clip_val=...)"
             )
 
     @property
