@@ -1,7 +1,7 @@
 """Train a small GPT with NDParallelStrategy (FSDP2 x tensor parallel, optional pipeline), the exact
 global token mean, GlobalNormClip(1.0) and TensorBoard, on packed documents it generates itself.
 
-    python examples/train_gpt.py                          # 4 CPU ranks: dp_shard=2 x tp=2, ~1-2 min
+    python examples/train_gpt.py                          # 4 CPU ranks: dp_shard=2 x tp=2, ~35 s on 2 cores
     python examples/train_gpt.py --devices 4 --tp 1 --pp 2 --dp-shard 2    # pipeline x FSDP2
     python examples/train_gpt.py --accelerator gpu --devices 8 --tp 2 --width 512 --layers 8
     torchrun --nproc-per-node 4 examples/train_gpt.py     # or under SLURM: srun python ...
