@@ -38,7 +38,10 @@ def check_data_parallel_reduction(module: nn.Module, meshes: ParallelMeshes, *, 
     dims = {name: set(mesh_ranks(meshes[name])) for name in DATA_DIMS if meshes[name].size() > 1}
     if not dims:
         return
-    problem = _first_problem(module, dims)
+    try:
+        problem = _first_problem(module, dims)
+    except Exception as error:  # every rank must reach the gather below, or the others would wait there
+        problem = ("partial", f"checking the data-parallel reduction raised {type(error).__name__}: {error}")
     problems: list[tuple[str, str] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)
     found = [(rank, kind, text) for rank, p in enumerate(problems) if p is not None for kind, text in [p]]

@@ -8,6 +8,7 @@ The whole fault suite (these and the fault cases of the other files) runs with `
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from datetime import timedelta
@@ -126,3 +127,27 @@ def test_a_checkpoint_saved_on_one_mesh_restores_exactly_on_another(tmp_path):
         assert set(r["saved"]) == set(r["restored"]) and any(k.startswith("exp_avg/") for k in r["saved"])
         for key, value in r["saved"].items():
             assert torch.equal(value, r["restored"][key]), key
+
+
+def _check_raising_on_one_rank_case() -> str:
+    from unittest import mock
+
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_ndclip import ParallelDims, coverage
+
+    meshes = ParallelDims(world_size=2, dp_shard=2).build_mesh("cpu")
+    model = nn.Linear(4, 4)
+    fully_shard(model, mesh=meshes["fsdp"])
+    boom = mock.patch.object(coverage, "_first_problem", side_effect=RuntimeError("boom"))
+    with boom if dist.get_rank() == 1 else contextlib.nullcontext():
+        with pytest.raises(ValueError) as info:
+            coverage.check_data_parallel_reduction(model, meshes)
+    return str(info.value)
+
+
+def test_the_reduction_check_failing_on_one_rank_raises_on_every_rank():
+    """An exception inside the check on rank 1 alone must not leave rank 0 waiting in the gather."""
+    for message in run_on_ranks(2, _check_raising_on_one_rank_case, timeout=60):
+        assert message == "rank 1: checking the data-parallel reduction raised RuntimeError: boom", message
