@@ -7,6 +7,34 @@ import torch
 from torch import nn
 
 
+def _assert_relative(got: torch.Tensor | float, expected: torch.Tensor | float, rtol: float) -> None:
+    assert abs(float(got) - float(expected)) <= rtol * float(expected), (float(got), float(expected))
+
+
+def _one_device_token_mean(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain model on one device: the mean cross-entropy over every valid token, backpropagated;
+    ``(loss, gradient norm)``."""
+    loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100)
+    loss.backward()
+    return loss, torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+
+
+def _examples_module(name: str):
+    """A module of examples/ (they import their _common.py as a top-level module)."""
+    import importlib
+    import sys
+
+    examples = str(__import__("pathlib").Path(__file__).resolve().parent.parent / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    return importlib.import_module(name)
+
+
+def _norm_before(ns: dict) -> torch.Tensor:
+    """The float64 norm of the gradients the block started from."""
+    return torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in ns["_grads_before"]]))
+
+
 def tiny_model_with_grads() -> dict:
     """``model``: a small MLP with gradients from one backward (float32, norm about 3)."""
     torch.manual_seed(0)
@@ -20,20 +48,17 @@ def tiny_model_with_grads() -> dict:
 def clip_matches_torch(ns: dict) -> None:
     """``total`` is the pre-clip norm of the gradients the block started from (float64 reference),
     and the gradients were scaled by ``min(1, 1 / (total + 1e-6))`` once, as max_norm=1.0 does."""
-    before = ns["_grads_before"]
-    expected = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in before]))
+    expected = _norm_before(ns)
     assert expected > 1.0, "the fixture's gradients should need clipping"
-    assert abs(float(ns["total"]) - float(expected)) <= 1e-5 * float(expected)
+    _assert_relative(ns["total"], expected, 1e-5)
     coef = min(1.0, 1.0 / (float(expected) + 1e-6))
-    for p, g in zip(ns["model"].parameters(), before):
+    for p, g in zip(ns["model"].parameters(), ns["_grads_before"]):
         torch.testing.assert_close(p.grad, g * coef, rtol=1e-5, atol=1e-7)
 
 
 def total_is_the_pre_clip_norm(ns: dict) -> None:
     """``total`` (the last one the block computed) is the norm of the gradients it started from."""
-    before = ns["_grads_before"]
-    expected = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in before]))
-    assert abs(float(ns["total"]) - float(expected)) <= 1e-5 * float(expected)
+    _assert_relative(ns["total"], _norm_before(ns), 1e-5)
     assert 0 < float(ns["coef"]) <= 1.0
 
 
@@ -153,8 +178,7 @@ def update_matches_one_device_token_mean(ns: dict) -> None:
     model = _TinyLM().double()
     rows = [mb for mbs in _token_batches() for mb in mbs]
     tokens, labels = torch.cat([mb["tokens"] for mb in rows]), torch.cat([mb["labels"] for mb in rows])
-    loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100)
-    loss.backward()
+    _one_device_token_mean(model, tokens, labels)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     with torch.no_grad():
         for p in model.parameters():
@@ -274,20 +298,13 @@ def _gpt_data() -> tuple[torch.Tensor, torch.Tensor]:
 def gpt_and_loader() -> dict:
     """``GPT`` from examples/train_gpt.py; ``loader``: one optimizer step of two micro-batches of 2
     rows for this rank's dp_shard coordinate (tp peers get the same rows)."""
-    import sys
-
     import torch.distributed as dist
-
-    examples = str(__import__("pathlib").Path(__file__).resolve().parent.parent / "examples")
-    if examples not in sys.path:
-        sys.path.insert(0, examples)
-    from train_gpt import GPT
 
     tokens, labels = _gpt_data()
     dp = dist.get_rank() // 2  # mesh (dp_shard, tp) = (2, 2), row-major
     rows = list(range(4 * dp, 4 * dp + 4))
     micro_batches = [(tokens[rows[i : i + 2]], labels[rows[i : i + 2]]) for i in (0, 2)]
-    return {"GPT": GPT, "loader": [micro_batches]}
+    return {"GPT": _examples_module("train_gpt").GPT, "loader": [micro_batches]}
 
 
 def norm_matches_one_device(ns: dict) -> None:
@@ -295,11 +312,8 @@ def norm_matches_one_device(ns: dict) -> None:
     8 rows (both micro-batches of both data ranks), fp32, 1e-5."""
     torch.manual_seed(0)
     model = ns["GPT"](vocab=64, width=64, layers=4, heads=4, seq_len=64)
-    tokens, labels = _gpt_data()
-    loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100)
-    loss.backward()
-    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
-    assert abs(float(ns["norm"]) - float(expected)) <= 1e-5 * float(expected), (float(ns["norm"]), float(expected))
+    _, expected = _one_device_token_mean(model, *_gpt_data())
+    _assert_relative(ns["norm"], expected, 1e-5)
 
 
 def packed_cp_one_micro_batch() -> dict:
@@ -354,16 +368,6 @@ def lightning_names() -> dict:
 # --- the pipeline how-to: its three blocks in one namespace, the Trainer on 4 ranks ----------------
 
 
-def _examples_module(name: str):
-    import importlib
-    import sys
-
-    examples = str(__import__("pathlib").Path(__file__).resolve().parent.parent / "examples")
-    if examples not in sys.path:
-        sys.path.insert(0, examples)
-    return importlib.import_module(name)
-
-
 def pipeline_howto_names() -> dict:
     """The page's imports: ``nn``, ``torch``, ``F``, ``L``, the strategy and callback, and ``Block``
     (examples/train_gpt.py's: head-major fused qkv, causal attention)."""
@@ -397,14 +401,10 @@ def pipeline_step_matches_one_device(ns: dict) -> None:
     torch.manual_seed(0)
     trainer.fit(ns["LitGPT"](), DataLoader(TensorDataset(tokens, labels), batch_size=4))
     torch.manual_seed(0)
-    model = ns["GPT"](64, 64, 8, 4)
-    loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100)
-    loss.backward()
-    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    loss, norm = _one_device_token_mean(ns["GPT"](64, 64, 8, 4), tokens, labels)
     if dist.get_rank() == 0:  # GlobalNormClip logs from rank 0
-        logged = trainer.callback_metrics
-        assert abs(float(logged["grad_norm/total"]) - float(norm)) <= 1e-5 * float(norm), (logged, norm)
-        assert abs(float(logged["train_loss"]) - float(loss)) <= 1e-5 * float(loss), (logged, loss)
+        _assert_relative(trainer.callback_metrics["grad_norm/total"], norm, 1e-5)
+        _assert_relative(trainer.callback_metrics["train_loss"], loss, 1e-5)
 
 
 # --- experts without Lightning: 4 ranks, dp_shard=4 for dense weights, edp=2 x ep=2 for experts ------
@@ -449,11 +449,8 @@ def moe_model_and_batch() -> dict:
 
 def moe_norm_matches_one_device(ns: dict) -> None:
     """The pre-clip norm equals one device's: the same model, the token mean over all 8 rows (1e-12)."""
-    model = _MoEModel().double()
-    tokens, labels = _moe_rows()
-    nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
-    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
-    assert abs(float(ns["norm"]) - float(expected)) <= 1e-12 * float(expected), (float(ns["norm"]), float(expected))
+    _, expected = _one_device_token_mean(_MoEModel().double(), *_moe_rows())
+    _assert_relative(ns["norm"], expected, 1e-12)
 
 
 # --- the pure-PyTorch page's smaller blocks -------------------------------------------------------
@@ -492,11 +489,8 @@ def ddp_model_and_batch() -> dict:
 
 def ddp_norm_matches_one_device(ns: dict) -> None:
     """The pre-clip norm equals one device's token mean over the 4 rows (float64, 1e-12)."""
-    model = _TinyLM().double()
-    tokens, labels = _ddp_rows()
-    nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
-    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
-    assert abs(float(ns["norm"]) - float(expected)) <= 1e-12 * float(expected), (float(ns["norm"]), float(expected))
+    _, expected = _one_device_token_mean(_TinyLM().double(), *_ddp_rows())
+    _assert_relative(ns["norm"], expected, 1e-12)
 
 
 def loss_sums_of_two_ranks() -> dict:
