@@ -2,7 +2,8 @@
 
 The pure-PyTorch core (norm, loss, reduce, replicas, mesh, context, experts, pipeline) imports no Lightning;
 ``GlobalNormClip``, ``NDParallelStrategy`` and ``GlobalMeanLoss`` need ``lightning`` /
-``torchmetrics`` and are imported with the package when those are installed.
+``torchmetrics`` (``pip install 'lightning_ndclip[lightning]'``) and are imported with the package when
+those are installed.
 """
 
 from typing import Any
@@ -32,7 +33,7 @@ except ModuleNotFoundError as missing:
 
     def __getattr__(name: str) -> Any:
         if name in ("GlobalNormClip", "GlobalMeanLoss", "NDParallelStrategy"):
-            raise ImportError(f"lightning_ndclip.{name} needs {_missing!r}: pip install lightning torchmetrics")
+            raise ImportError(f"lightning_ndclip.{name} needs {_missing!r}: pip install 'lightning_ndclip[lightning]'")
         raise AttributeError(f"module 'lightning_ndclip' has no attribute {name!r}")
 
 

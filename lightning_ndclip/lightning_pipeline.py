@@ -194,6 +194,13 @@ class PipelineRunner:
         holders: list[torch.Tensor] = [p for stage in stages for n, p in stage.named_parameters() if n in names]
         return holders, group
 
+    def local_stages(self, module: nn.Module) -> dict[int, nn.Module]:
+        """``{global stage index: stage module}`` of this rank's stages, as set up on ``module``."""
+        stages = getattr(module, self.config.module)
+        if isinstance(stages, _PipelineStages):
+            return dict(zip(stages.indices, stages))
+        return {int(i): m for i, m in stages.items()}
+
     @property
     def tied_parameters(self) -> dict[str, torch.Tensor] | None:
         """``{key: this rank's copy}`` of the parameters tied across stages (for the norm)."""

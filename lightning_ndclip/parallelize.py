@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -51,7 +51,7 @@ def parallelize(
     module: nn.Module,
     meshes: ParallelMeshes,
     *,
-    tp_plan: Mapping[str, ParallelStyle] | None = None,
+    tp_plan: Mapping[str, ParallelStyle] | Literal["auto"] | None = None,
     fsdp_units: Sequence[type[nn.Module]] = (),
     activation_checkpointing: Sequence[type[nn.Module]] = (),
     mp_policy: MixedPrecisionPolicy | None = None,
@@ -65,7 +65,8 @@ def parallelize(
         meshes: the strategy's meshes; TP uses ``tp``, FSDP2 uses ``fsdp`` (``dp_shard_cp``, or
             ``dp_replicate x dp_shard_cp`` for HSDP).
         tp_plan: ``{module name: ParallelStyle}`` for ``parallelize_module`` (names relative to
-            ``module``; wildcards as in PyTorch). Skipped when ``tp`` is 1.
+            ``module``; wildcards as in PyTorch), or ``"auto"``: the own plans of the Hugging Face
+            ``transformers`` models inside ``module`` (:func:`lightning_ndclip.hf.hf_tp_plan`).
         fsdp_units: module classes that each become one ``fully_shard`` unit (e.g. the transformer
             block); the root gets a unit for the remaining parameters.
         activation_checkpointing: module classes whose instances recompute activations in backward.
@@ -86,6 +87,10 @@ def parallelize(
     if tp_plan:
         if meshes["tp"].size() == 1:
             raise ValueError("tp_plan was given but tp=1; set tp > 1 or drop tp_plan")
+        if tp_plan == "auto":
+            from lightning_ndclip.hf import hf_tp_plan  # imports parallelize's name matching
+
+            tp_plan = hf_tp_plan(module)
         names = [name for name, _ in module.named_modules() if name]
         unmatched = [key for key in tp_plan if not any(_matches(name, key) for name in names)]
         if unmatched:

@@ -19,6 +19,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -41,6 +42,7 @@ from lightning_ndclip.mesh import ParallelDims, ParallelMeshes, _SizeMismatchErr
 from lightning_ndclip.parallelize import parallelize
 from lightning_ndclip.reduce import use_sum_reduction
 from lightning_ndclip.replicas import broadcast_replicas_
+from lightning_ndclip.summary import ParallelSummary, summarize
 from lightning_ndclip.windows import LossWindows
 
 __all__ = ["NDParallelStrategy"]
@@ -155,7 +157,9 @@ class NDParallelStrategy(ModelParallelStrategy):
             mean loss of each optimizer step (what one device shows for the same window; one scalar
             all-reduce per step), on step and in the progress bar; ``None`` logs nothing.
         tp_plan: declarative tensor parallelism, ``{module name: ParallelStyle}`` (see
-            :func:`lightning_ndclip.parallelize.parallelize`).
+            :func:`lightning_ndclip.parallelize.parallelize`), or ``"auto"``: the own plans of the
+            Hugging Face ``transformers`` models in the LightningModule (:mod:`lightning_ndclip.hf`;
+            ``pip install 'lightning_ndclip[hf]'``).
         fsdp_units: module classes that each become a ``fully_shard`` unit (the root always does).
         activation_checkpointing: module classes whose activations are recomputed in backward.
         mp_policy: FSDP2 ``MixedPrecisionPolicy``.
@@ -193,6 +197,11 @@ class NDParallelStrategy(ModelParallelStrategy):
             does not: without it, HSDP replicas of a model built without a common seed start, and
             stay, different. One broadcast per group of ranks and dtype, once. Plain tensors are
             left as built.
+        summary: when training starts, print on rank zero what was parallelized how (mesh dims,
+            per top-level module: parameters, FSDP2 units, sharded and replicated dims, tensor-parallel
+            styles, pipeline stage, bytes per rank; see :mod:`lightning_ndclip.summary`) and the data
+            side (samples per optimizer step, the loss normalization), and, with ``loss_normalization``,
+            what the first optimizer step counts. ``False`` prints nothing (and gathers nothing).
         save_distributed_checkpoint: save one shard per rank (``True``) or a full checkpoint on rank 0.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: from the accelerator.
         timeout: process-group timeout.
@@ -215,7 +224,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         loss_normalization: Literal["token_mean", "sample_mean"] | None = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
         log_loss: str | None = "train_loss",
-        tp_plan: Mapping[str, ParallelStyle] | None = None,
+        tp_plan: Mapping[str, ParallelStyle] | Literal["auto"] | None = None,
         fsdp_units: Sequence[type[nn.Module]] = (),
         activation_checkpointing: Sequence[type[nn.Module]] = (),
         mp_policy: MixedPrecisionPolicy | None = None,
@@ -227,6 +236,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         pp_tied_parameters: Sequence[Sequence[str]] = (),
         sum_reduction: bool = False,
         init_sync: bool = True,
+        summary: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -267,6 +277,8 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._window_loss: torch.Tensor | None = None
         self._sum_reduction = sum_reduction or loss_normalization is not None
         self._init_sync = init_sync
+        self._summary = summary
+        self._counts_told = not summary
         if tp_plan and tp == 1:
             raise ValueError("NDParallelStrategy(tp_plan=...) needs tp > 1")
         self._plan: dict[str, Any] = {
@@ -459,6 +471,47 @@ class NDParallelStrategy(ModelParallelStrategy):
             if self._pipeline is not None:
                 self._pipeline.sync_ties()
 
+    def parallel_summary(self) -> ParallelSummary:
+        """What was parallelized how, and the data side (see the ``summary`` argument); ``str()`` of it
+        is the table printed when training starts. Collective over ``pp`` when ``pp > 1``."""
+        stages = {self._pp.module: self._pipeline.local_stages(self._module)} if self._pipeline is not None else None
+        summary = summarize(self._module, self.meshes, stages)
+        trainer = self._module.trainer
+        dims = self.parallel_dims
+        k = trainer.accumulate_grad_batches
+        loader = getattr(trainer, "train_dataloader", None)
+        batch = getattr(loader, "batch_size", None)
+        if isinstance(batch, int):
+            per_step = f"{batch} per rank x dp={dims.batch_size} ranks x {k} accumulated = {batch * dims.batch_size * k}"
+        else:
+            per_step = f"(the dataloader has no batch_size) x dp={dims.batch_size} ranks x {k} accumulated"
+        summary.notes.append(f"Data: samples per optimizer step: {per_step}")
+        if self._pipeline is not None:
+            config = self._pp
+            summary.notes.append(
+                f"Pipeline: schedule {config.schedule!r}, {config.n_microbatches} micro-batches per batch, "
+                f"{dims.pp * config.stages_per_rank} stages ({config.stages_per_rank} per rank)"
+            )
+        loss = {
+            "token_mean": "token_mean: each micro-batch's loss is its share of the global token mean (count_tokens, "
+            "summed over dp per window)",
+            "sample_mean": "sample_mean: the hierarchical per-sample mean (sample_ids, summed over cp and dp per window)",
+        }.get(self._loss_normalization or "")
+        if loss is None:
+            loss = (
+                "sum_reduction: FSDP2 sums gradients; training_step normalizes by global counts itself"
+                if self._sum_reduction
+                else "Lightning's per-rank mean, averaged by the data-parallel reduction"
+            )
+        summary.notes.append(f"Loss: {loss}")
+        return summary
+
+    @override
+    def on_train_start(self) -> None:
+        if self._summary:
+            summary = self.parallel_summary()
+            rank_zero_info(str(summary))
+
     def process_dataloader(self, dataloader: object) -> object:
         if self._loss_normalization is None or self.lightning_module is None:
             return dataloader
@@ -495,6 +548,9 @@ class NDParallelStrategy(ModelParallelStrategy):
             pipeline.loss_scale = 1.0 / (self._pp.n_microbatches * k)  # micro-batch means -> window mean
         else:
             scale, last = self._windows.window_of(self._batch_idx)
+            if not self._counts_told:
+                self._counts_told = True
+                rank_zero_info(f"lightning_ndclip: the first optimizer step counts {self._windows.first_count}")
             self._set_gradient_sync(last)
             if self._loss_normalization == "token_mean":
                 self._window_scale = scale[0].total

@@ -365,6 +365,18 @@ def lightning_names() -> dict:
             "MixedPrecisionPolicy": MixedPrecisionPolicy, "TransformerBlock": TransformerBlock}
 
 
+# --- the Hugging Face how-to ------------------------------------------------------------------------
+
+
+def tiny_llama() -> dict:
+    """``llama``: a tiny transformers Llama built from a config (nothing downloaded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    return {"llama": LlamaForCausalLM(config)}
+
+
 # --- the pipeline how-to: its three blocks in one namespace, the Trainer on 4 ranks ----------------
 
 

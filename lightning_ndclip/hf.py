@@ -1,0 +1,116 @@
+"""Hugging Face ``transformers`` models' own tensor-parallel plans, as PyTorch ``ParallelStyle``\\ s.
+
+A ``transformers`` model ships its plan as strings: ``model.tp_plan``, e.g.
+``{"model.layers.*.self_attn.q_proj": "colwise", ..., "lm_head": "colwise_gather_output"}``.
+:func:`hf_tp_plan` turns the plans of the models inside a module into the
+``{module name: ParallelStyle}`` that :func:`torch.distributed.tensor.parallel.parallelize_module`
+(and :func:`lightning_ndclip.parallelize.parallelize`, ``NDParallelStrategy(tp_plan="auto")``) take.
+
+Only the styles plain PyTorch expresses are mapped, each to the layouts ``transformers`` gives it:
+
+========================================= ====================================================
+``transformers`` style                      PyTorch style
+========================================= ====================================================
+``colwise``                                ``ColwiseParallel()`` (output sharded on the last dim)
+``rowwise``                                ``RowwiseParallel()`` (input sharded, output replicated)
+``colwise_gather_output``, ``colwise_rep`` ``ColwiseParallel(output_layouts=Replicate())``
+``rowwise_split_input``, ``rowwise_rep``   ``RowwiseParallel(input_layouts=Replicate())``
+``embedding_rowwise``                      ``RowwiseParallel(input_layouts=Replicate())`` (vocab split)
+``embedding_colwise``                      ``ColwiseParallel(output_layouts=Replicate())`` (width split)
+========================================= ====================================================
+
+Any other style (``packed_colwise``, ``sequence_parallel``, ``replicated_with_grad_allreduce``, the MoE
+styles, ...) is a ``ValueError`` naming it and the module, as is a mapped style on a module PyTorch's
+style cannot shard (not an ``nn.Linear`` / ``nn.Embedding``): never a silently different function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from lightning_ndclip.parallelize import _matches
+
+__all__ = ["HF_STYLES", "hf_tp_plan"]
+
+
+def _gathered_colwise() -> ParallelStyle:
+    return ColwiseParallel(output_layouts=Replicate())
+
+
+def _replicated_rowwise() -> ParallelStyle:
+    return RowwiseParallel(input_layouts=Replicate())
+
+
+HF_STYLES: dict[str, tuple[Callable[[], ParallelStyle], tuple[type[nn.Module], ...]]] = {
+    "colwise": (ColwiseParallel, (nn.Linear,)),
+    "rowwise": (RowwiseParallel, (nn.Linear,)),
+    "colwise_gather_output": (_gathered_colwise, (nn.Linear,)),
+    "colwise_rep": (_gathered_colwise, (nn.Linear,)),
+    "rowwise_split_input": (_replicated_rowwise, (nn.Linear,)),
+    "rowwise_rep": (_replicated_rowwise, (nn.Linear,)),
+    "embedding_rowwise": (_replicated_rowwise, (nn.Embedding,)),
+    "embedding_colwise": (_gathered_colwise, (nn.Embedding,)),
+}
+"""``transformers`` style -> (a PyTorch style for it, the module classes it applies to)."""
+
+_INSTALL = "pip install 'lightning_ndclip[hf]'"
+
+
+def _outermost_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    try:
+        from transformers import PreTrainedModel
+    except ModuleNotFoundError:
+        raise ImportError(
+            f"tp_plan='auto' applies the plans of Hugging Face transformers models, and transformers is not "
+            f"installed: {_INSTALL}"
+        ) from None
+    found: list[tuple[str, nn.Module]] = []
+    for name, child in module.named_modules():
+        if isinstance(child, PreTrainedModel) and not any(name.startswith(f"{outer}.") or not outer for outer, _ in found):
+            found.append((name, child))
+    return found
+
+
+def hf_tp_plan(module: nn.Module) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan of the ``transformers`` models in ``module`` (``module`` itself, or its
+    submodules: names are relative to ``module``), as ``{module name pattern: ParallelStyle}``.
+
+    Raises:
+        ImportError: ``transformers`` is not installed.
+        ValueError: no ``transformers`` model in ``module`` has a plan; or a plan entry has a style
+            without a PyTorch equivalent, or names a module of a class its style cannot shard, or
+            matches no module (each naming the entry).
+    """
+    plan: dict[str, ParallelStyle] = {}
+    models = _outermost_models(module)
+    for prefix, model in models:
+        names = {name: child for name, child in model.named_modules() if name}
+        for key, style in dict(getattr(model, "tp_plan", None) or {}).items():
+            where = f"{type(model).__name__}.tp_plan[{key!r}] = {style!r}"
+            if style not in HF_STYLES:
+                raise ValueError(
+                    f"{where}: no plain PyTorch ParallelStyle expresses {style!r} (mapped: {sorted(HF_STYLES)}); "
+                    "give this model a tp_plan of ParallelStyles instead"
+                )
+            make, classes = HF_STYLES[style]
+            targets = {name: child for name, child in names.items() if _matches(name, key)}
+            if not targets:
+                raise ValueError(f"{where} matches no module of {type(model).__name__}")
+            wrong = sorted(f"{n} ({type(m).__name__})" for n, m in targets.items() if not isinstance(m, classes))
+            if wrong:
+                raise ValueError(
+                    f"{where}: PyTorch's style for {style!r} shards {' / '.join(c.__name__ for c in classes)} modules, "
+                    f"not {wrong[:3]}"
+                )
+            plan[f"{prefix}.{key}" if prefix else key] = make()
+    if not plan:
+        found = ", ".join(f"{name or '(the module)'}: {type(m).__name__}" for name, m in models) or "none"
+        raise ValueError(
+            f"tp_plan='auto' found no Hugging Face transformers model with a tensor-parallel plan in "
+            f"{type(module).__name__} (transformers models found: {found}); give tp_plan as {{module name: ParallelStyle}}"
+        )
+    return plan
