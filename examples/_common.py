@@ -29,13 +29,12 @@ def share_cpu_threads(accelerator: str, devices: int) -> None:
 
 
 def print_summary(trainer: L.Trainer, logger: TensorBoardLogger, clip: GlobalNormClip, logdir: str) -> None:
-    """On global rank 0: where the TensorBoard logs are, and a one-line summary of the run."""
+    """On global rank 0: one line summing up the run, ending with where its TensorBoard logs are."""
     if not trainer.is_global_zero:
         return
     m = trainer.callback_metrics
-    print(f"TensorBoard logs: {logger.log_dir}  (tensorboard --logdir {logdir})")
     print(
         f"summary: final loss {float(m['train/loss']):.4f}, last grad norm {float(m['grad_norm/total']):.4f}, "
         f"clip rate {clip.clip_rate:.2f} ({clip.clipped_steps}/{clip.seen_steps} steps clipped), "
-        f"skipped steps {clip.skipped_steps}"
+        f"skipped steps {clip.skipped_steps}; TensorBoard run: {logger.log_dir} (tensorboard --logdir {logdir})"
     )

@@ -87,11 +87,11 @@ def main() -> None:
     trainer.fit(Regressor())
     metrics = trainer.callback_metrics
     if trainer.is_global_zero:
-        print(f"TensorBoard logs: {logger.log_dir}  (tensorboard --logdir {args.logdir})")
         print(
             f"summary: final loss {float(metrics['train/loss']):.4f}, last grad norm "
             f"{float(metrics['grad_norm/total']):.4f}, clip rate {clip.clip_rate:.2f} "
-            f"({clip.clipped_steps}/{clip.seen_steps} steps clipped), skipped steps {clip.skipped_steps}"
+            f"({clip.clipped_steps}/{clip.seen_steps} steps clipped), skipped steps {clip.skipped_steps}; "
+            f"TensorBoard run: {logger.log_dir} (tensorboard --logdir {args.logdir})"
         )
 
 

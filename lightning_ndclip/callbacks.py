@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel
+from typing_extensions import override
 
 from lightning_ndclip import _compat
 from lightning_ndclip.norm import GradNorms, grad_norms
@@ -116,6 +117,7 @@ class GlobalNormClip(Callback):
         self._groupings: dict[str, tuple[tuple[str, ...], list[str], torch.Tensor]] = {}
         self._named_cache: list[tuple[str, torch.Tensor]] | None = None
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if trainer.gradient_clip_val is not None:
             raise ValueError(
@@ -124,6 +126,7 @@ class GlobalNormClip(Callback):
                 "every mesh (Lightning's clipping is exact only on a single mesh)."
             )
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = getattr(trainer.strategy, "model", None) or pl_module
         if isinstance(trainer.strategy, FSDPStrategy) or any(
@@ -151,6 +154,7 @@ class GlobalNormClip(Callback):
         """``clipped_steps / seen_steps``; 0.0 before the first step."""
         return self.clipped_steps / self._seen_steps if self._seen_steps else 0.0
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {
             "skipped_steps": self.skipped_steps,
@@ -158,11 +162,13 @@ class GlobalNormClip(Callback):
             "clipped_steps": self.clipped_steps,
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.skipped_steps = state_dict["skipped_steps"]
         self._seen_steps = state_dict.get("seen_steps", 0)  # absent from checkpoints of older versions
         self._clipped = torch.tensor(state_dict.get("clipped_steps", 0), dtype=torch.int64)
 
+    @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:

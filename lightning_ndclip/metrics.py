@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from torchmetrics import Metric
+from typing_extensions import override
 
 __all__ = ["GlobalMeanLoss"]
 
@@ -34,11 +35,13 @@ class GlobalMeanLoss(Metric):
     value: torch.Tensor
     weight: torch.Tensor
 
+    @override
     def update(self, value: torch.Tensor, weight: torch.Tensor | float) -> None:
         """Add a local weighted sum ``value`` and its total ``weight``."""
         self.value += torch.as_tensor(value, dtype=torch.float64, device=self.value.device).detach().sum()
         self.weight += torch.as_tensor(weight, dtype=torch.float64, device=self.weight.device).detach().sum()
 
+    @override
     def compute(self) -> torch.Tensor:
         """The global weighted mean."""
         return self.value / self.weight

@@ -512,6 +512,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             summary = self.parallel_summary()
             rank_zero_info(str(summary))
 
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         if self._loss_normalization is None or self.lightning_module is None:
             return dataloader
@@ -628,6 +629,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             flatten_optimizer_state_dict=True,
         )
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if self._dims is None or self._dims.pp == 1:
             return super().optimizer_state(optimizer)
@@ -668,10 +670,12 @@ class NDParallelStrategy(ModelParallelStrategy):
         return torch.load(path / _compat.metadata_filename(), weights_only=weights_only)
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         batch = self.meshes["dp"]
         return {"num_replicas": batch.size(), "rank": batch.get_local_rank()}
 
+    @override
     def reduce(
         self, tensor: torch.Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> torch.Tensor | Any:
@@ -682,6 +686,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         return tensor
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             "nd_parallel", cls, description="N-D parallel (FSDP2 x TP x CP x PP) with exact norms and losses"

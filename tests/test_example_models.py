@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import math
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -145,7 +144,6 @@ def _gpt_plain(plain: nn.Module, lit, tokens: torch.Tensor, labels: torch.Tensor
 
 
 def _gpt_fsdp_tp(argv: list[str]) -> dict[str, tuple[float, float]]:
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     args, kwargs, dims, lit, plain, tokens, labels = _gpt_setup(argv)
     meshes = dims.build_mesh("cpu")
     # as NDParallelStrategy applies its declarative plan: the root unit is what training_step calls
@@ -159,7 +157,6 @@ def _gpt_fsdp_tp(argv: list[str]) -> dict[str, tuple[float, float]]:
 
 
 def _gpt_pipeline(argv: list[str]) -> dict[str, tuple[float, float]]:
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     args, kwargs, dims, lit, plain, tokens, labels = _gpt_setup(argv)
     meshes = dims.build_mesh("cpu")
     plan = {"tp_plan": kwargs["tp_plan"], "fsdp_units": kwargs["fsdp_units"]}
@@ -222,7 +219,6 @@ _DIT_SIZE = ["--grid", "4", "--patch", "2", "--channels", "2", "--max-frames", "
 
 
 def _dit(argv: list[str]) -> dict[str, tuple[float, float]]:
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     args = train_video_dit.parse_args(["--devices", str(WORLD), *_DIT_SIZE, *argv])
     kwargs = train_video_dit.strategy_kwargs(args)
     dims = ParallelDims(world_size=WORLD, dp_shard=kwargs["dp_shard"], cp=kwargs["cp"])
@@ -269,7 +265,6 @@ _MOE_SIZE = ["--vocab", "32", "--width", "16", "--heads", "2", "--layers", "2", 
 
 
 def _moe(argv: list[str]) -> dict[str, tuple[float, float]]:
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     args = train_moe.parse_args(["--devices", str(WORLD), *_MOE_SIZE, *argv])
     kwargs = train_moe.strategy_kwargs(args)
     dims = ParallelDims(world_size=WORLD, dp_shard=kwargs["dp_shard"], ep=kwargs["ep"])
@@ -303,7 +298,6 @@ def test_train_moe_fsdp_x_ep_computes_the_plain_model(argv):
 
 
 def _quickstart(argv: list[str]) -> dict[str, tuple[float, float]]:
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     args = lightning_quickstart.parse_args(argv)
     kwargs = lightning_quickstart.strategy_kwargs(args)
     dims = ParallelDims(world_size=dist.get_world_size(), tp=kwargs["tp"])
@@ -336,7 +330,6 @@ def test_lightning_quickstart_computes_the_plain_model(world, argv):
 
 
 def _norm_demo(dp: int, tp: int) -> dict[str, tuple[float, float]]:
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))  # as the demo's worker
     plain = norm_demo.build_model()
     model = norm_demo.parallelize(norm_demo.build_model(), mesh)

@@ -15,7 +15,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 _WARNING = re.compile(r"^(?P<file>\S+\.py):\d+: \w*Warning: .*$", re.MULTILINE)
 SUMMARY = re.compile(
     r"summary: final loss (?P<loss>\S+), last grad norm (?P<norm>\S+), clip rate (?P<rate>\S+) "
-    r"\((?P<clipped>\d+)/(?P<seen>\d+) steps clipped\), skipped steps (?P<skipped>\d+)"
+    r"\((?P<clipped>\d+)/(?P<seen>\d+) steps clipped\), skipped steps (?P<skipped>\d+); "
+    r"TensorBoard run: (?P<run>\S+) \(tensorboard --logdir \S+\)"
 )
 
 
@@ -33,12 +34,11 @@ def _run(script: str, *args: str, cwd: Path, launcher: tuple[str, ...] = ()) -> 
 
 
 def _summary(out: str, steps: int) -> dict[str, float]:
-    """The example's last two lines (where its TensorBoard logs are, and the run's summary), checked."""
-    logs, summary = out.strip().splitlines()[-2:]
-    assert logs.startswith("TensorBoard logs: ") and "  (tensorboard --logdir " in logs, logs
+    """The example's last line (the run's summary and where its TensorBoard logs are), checked."""
+    summary = out.strip().splitlines()[-1]
     match = SUMMARY.fullmatch(summary)
     assert match, summary
-    values = {key: float(value) for key, value in match.groupdict().items()}
+    values = {key: float(value) for key, value in match.groupdict().items() if key != "run"}
     assert math.isfinite(values["loss"]) and math.isfinite(values["norm"]) and values["norm"] > 0
     assert values["seen"] == steps and values["clipped"] <= steps and values["skipped"] == 0
     assert abs(values["rate"] - values["clipped"] / steps) <= 0.005
