@@ -549,9 +549,13 @@ class NDParallelStrategy(ModelParallelStrategy):
             pipeline.loss_scale = 1.0 / (self._pp.n_microbatches * k)  # micro-batch means -> window mean
         else:
             scale, last = self._windows.window_of(self._batch_idx)
-            if not self._counts_told:
+            if not self._counts_told and self._windows.first_window is not None:
                 self._counts_told = True
-                rank_zero_info(f"lightning_ndclip: the first optimizer step counts {self._windows.first_count}")
+                count, kind, batches = self._windows.first_window  # read to the host once, only when told
+                rank_zero_info(
+                    f"lightning_ndclip: the first optimizer step counts {int(count)} {kind} in {batches} "
+                    "micro-batch(es) of every data rank"
+                )
             self._set_gradient_sync(last)
             if self._loss_normalization == "token_mean":
                 self._window_scale = scale[0].total

@@ -52,7 +52,7 @@ class LossWindows:
         self._windows: dict[int, tuple[Any, bool]] = {}
         self._read = self._yielded = 0  # batches of the current window read ahead, and yielded
         self._restored_behind: int | None = None  # a restored loader's batches Lightning already consumed
-        self.first_count = ""  # what the first window counted, for the strategy's summary
+        self.first_window: tuple[torch.Tensor, str, int] | None = None  # (count, "tokens"/"samples", micro-batches)
 
     def __len__(self) -> int:
         return len(self.dataloader)
@@ -79,8 +79,8 @@ class LossWindows:
             # summed over the batch dims only: the ranks of a cp group read the same raw batch
             counts = [torch.as_tensor(module.count_tokens(b)).to(device) for b in window]
             count = sync_token_count(counts, group=meshes["dp"].get_group())
-            if not self.first_count:  # read to the host once
-                self.first_count = f"{int(count.total)} tokens in {len(window)} micro-batch(es) of every data rank"
+            if self.first_window is None:
+                self.first_window = (count.total, "tokens", len(window))
             return [(count, local) for local in counts]
         described = [module.sample_ids(b) for b in window]
         weights = sync_sample_weights(
@@ -90,8 +90,8 @@ class LossWindows:
             cp_group=meshes["cp"].get_group(),
             dp_group=meshes["dp"].get_group(),
         )
-        if not self.first_count:  # read to the host once
-            self.first_count = f"{int(weights.num_samples)} samples in {len(window)} micro-batch(es) of every data rank"
+        if self.first_window is None:
+            self.first_window = (weights.num_samples, "samples", len(window))
         return weights.weights
 
     def _before_window(self) -> None:
