@@ -27,8 +27,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import lightning_ndclip as nd
-from lightning_ndclip.layout import dim0_padding
-from lightning_ndclip.runs import RunFinder
+from lightning_ndclip.core._layout import dim0_padding
+from lightning_ndclip.core._runs import RunFinder
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LINEARS_PER_UNIT = 4  # 8 parameters (weight + bias) per fully_shard unit
@@ -104,7 +104,7 @@ def count_runs(params: list[nn.Parameter]) -> tuple[int, int]:
     locals_ = local_grads(params)
     counted = [True] * len(locals_)
     try:  # the counted flags of the most recent cached plan (private; diagnostic only)
-        plan = next(reversed(nd.norm._plans.values())).plan
+        plan = next(reversed(nd.core.norm._plans.values())).plan
         if len(plan.counted) == len(locals_):
             counted = list(plan.counted)
     except Exception:  # noqa: BLE001

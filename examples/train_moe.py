@@ -35,7 +35,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ndclip import GlobalNormClip, NDParallelStrategy, ParallelMeshes
-from lightning_ndclip.experts import MoE, shard_experts
+from lightning_ndclip.core.experts import MoE, shard_experts
 
 EXPERT_PATTERN = r"\.experts\."
 """Names of expert parameters (``model.blocks.0.moe.experts.w_in``); all others are dense."""

@@ -1,14 +1,19 @@
 """lightning_ndclip: exact N-D parallel gradient norms, clipping and loss normalization.
 
-The pure-PyTorch core (norm, loss, reduce, replicas, mesh, context, experts, pipeline) imports no Lightning;
-``GlobalNormClip``, ``NDParallelStrategy`` and ``GlobalMeanLoss`` need ``lightning`` /
-``torchmetrics`` (``pip install 'lightning_ndclip[lightning]'``) and are imported with the package when
-those are installed.
+Two layers (``docs/architecture.md``): :mod:`lightning_ndclip.core`, pure PyTorch, which imports no
+Lightning; and :mod:`lightning_ndclip.lightning`, the strategy, callback and metric built on it,
+which need ``lightning`` / ``torchmetrics`` (``pip install 'lightning_ndclip[lightning]'``). Every
+public name of both is exported here, the Lightning ones when those packages are installed.
 """
 
 from typing import Any
 
-from lightning_ndclip.loss import (
+from lightning_ndclip.core._norm_plan import NormPlanError
+from lightning_ndclip.core.context import context_parallel_attention, shard_sequence
+from lightning_ndclip.core.coverage import check_data_parallel_reduction
+from lightning_ndclip.core.experts import Experts, MoE, shard_experts
+from lightning_ndclip.core.hf import HF_STYLES, hf_tp_plan
+from lightning_ndclip.core.loss import (
     SampleWeights,
     TokenCount,
     count_valid_tokens,
@@ -16,23 +21,36 @@ from lightning_ndclip.loss import (
     sync_sample_weights,
     sync_token_count,
 )
-from lightning_ndclip.mesh import ParallelDims, ParallelMeshes
-from lightning_ndclip.norm import GradNorms, clip_grad_norm_, clip_grads_with_norm_, get_total_norm, grad_norms
-from lightning_ndclip.plan import NormPlanError
-from lightning_ndclip.reduce import sum_allreduce_hook, use_sum_reduction
-from lightning_ndclip.replicas import broadcast_replicas_
+from lightning_ndclip.core.mesh import LIGHTNING_DIM_NAMES, MESH_DIM_NAMES, ParallelDims, ParallelMeshes
+from lightning_ndclip.core.norm import GradNorms, clip_grad_norm_, clip_grads_with_norm_, get_total_norm, grad_norms
+from lightning_ndclip.core.parallelism import parallelize
+from lightning_ndclip.core.pipeline import (
+    SCHEDULES,
+    build_pipeline,
+    model_units,
+    schedule_stages,
+    split_model,
+    stage_units_of,
+    sync_tied_parameters,
+    tie_gradients,
+)
+from lightning_ndclip.core.reduce import sum_allreduce_hook, use_sum_reduction
+from lightning_ndclip.core.replicas import broadcast_replicas_
+from lightning_ndclip.core.summary import ModuleRow, ParallelSummary, summarize
 
-try:  # the Lightning integration (importing the strategy registers strategy="nd_parallel")
-    from lightning_ndclip.callbacks import GlobalNormClip
-    from lightning_ndclip.metrics import GlobalMeanLoss
-    from lightning_ndclip.strategy import NDParallelStrategy
+_LIGHTNING_NAMES = ("GlobalMeanLoss", "GlobalNormClip", "NDParallelStrategy")
+
+try:  # the Lightning layer (importing the strategy registers strategy="nd_parallel")
+    from lightning_ndclip.lightning.callbacks import GlobalNormClip
+    from lightning_ndclip.lightning.metrics import GlobalMeanLoss
+    from lightning_ndclip.lightning.strategy import NDParallelStrategy
 except ModuleNotFoundError as missing:
     if missing.name is None or missing.name.split(".")[0] not in ("lightning", "torchmetrics"):
         raise
     _missing = missing.name
 
     def __getattr__(name: str) -> Any:
-        if name in ("GlobalNormClip", "GlobalMeanLoss", "NDParallelStrategy"):
+        if name in _LIGHTNING_NAMES:
             raise ImportError(f"lightning_ndclip.{name} needs {_missing!r}: pip install 'lightning_ndclip[lightning]'")
         raise AttributeError(f"module 'lightning_ndclip' has no attribute {name!r}")
 
@@ -40,24 +58,46 @@ except ModuleNotFoundError as missing:
 __version__ = "0.1.0"
 
 __all__ = [
+    "HF_STYLES",
+    "LIGHTNING_DIM_NAMES",
+    "MESH_DIM_NAMES",
+    "SCHEDULES",
+    "Experts",
     "GlobalMeanLoss",
     "GlobalNormClip",
     "GradNorms",
+    "ModuleRow",
+    "MoE",
     "NDParallelStrategy",
     "NormPlanError",
     "ParallelDims",
     "ParallelMeshes",
+    "ParallelSummary",
     "SampleWeights",
     "TokenCount",
     "broadcast_replicas_",
+    "build_pipeline",
+    "check_data_parallel_reduction",
     "clip_grad_norm_",
     "clip_grads_with_norm_",
+    "context_parallel_attention",
     "count_valid_tokens",
     "get_total_norm",
     "grad_norms",
+    "hf_tp_plan",
+    "model_units",
+    "parallelize",
     "sample_ids_from_lengths",
+    "schedule_stages",
+    "shard_experts",
+    "shard_sequence",
+    "split_model",
+    "stage_units_of",
     "sum_allreduce_hook",
+    "summarize",
     "sync_sample_weights",
+    "sync_tied_parameters",
     "sync_token_count",
+    "tie_gradients",
     "use_sum_reduction",
 ]

@@ -1,9 +1,51 @@
-"""Pytest wiring for the multi-rank harness (see ``harness.py``)."""
+"""Pytest wiring: the multi-rank harness's pools (see ``harness.py``), and the core-only run.
 
+Without Lightning installed (CI's ``.venv-core``: the package and pytest only), the test modules
+that import Lightning are not collected, and what remains tests the pure-PyTorch core.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 
 import harness
 import pytest
+
+LIGHTNING_ROOTS = {"lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics", "tensorboard"}  # + examples extra
+ROOT = Path(__file__).resolve().parent.parent
+HAVE_LIGHTNING = all(importlib.util.find_spec(name) is not None for name in ("lightning", "torchmetrics"))
+_LIGHTNING_LAYER = {"GlobalMeanLoss", "GlobalNormClip", "NDParallelStrategy"}
+
+
+def needs_lightning(source: str) -> bool:
+    """Whether code imports Lightning (directly, through the package's Lightning layer, or through a
+    module of tests/ or examples/ that does), anywhere in it."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            modules = [node.module]
+            if node.module == "lightning_ndclip" and _LIGHTNING_LAYER & {alias.name for alias in node.names}:
+                return True
+        else:
+            continue
+        for module in modules:
+            root = module.split(".")[0]
+            if root in LIGHTNING_ROOTS or module.startswith("lightning_ndclip.lightning"):
+                return True
+            local = [ROOT / folder / f"{root}.py" for folder in ("tests", "examples")]
+            if any(path.exists() and needs_lightning(path.read_text(encoding="utf-8")) for path in local):
+                return True
+    return False
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if HAVE_LIGHTNING or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    return True if needs_lightning(collection_path.read_text(encoding="utf-8")) else None
 
 
 @pytest.fixture(scope="session", autouse=True)

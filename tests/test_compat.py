@@ -32,7 +32,7 @@ from lightning_ndclip import _compat
 
 PACKAGE = Path(_compat.__file__).resolve().parent
 COMPAT = PACKAGE / "_compat.py"
-MODULES = sorted(p for p in PACKAGE.glob("*.py") if p != COMPAT)
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p != COMPAT)  # every module of both layers
 EXTERNAL_ROOTS = {"torch", "lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics"}
 VERSIONS = f"torch {torch.__version__}, lightning {lightning.__version__}"
 
@@ -199,7 +199,7 @@ def _private_uses(path: Path, own: set[str], everything: bool = False) -> Iterat
             yield node.lineno, name, ast.unparse(node)
 
 
-@pytest.mark.parametrize("path", MODULES, ids=[p.name for p in MODULES])
+@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(PACKAGE)) for p in MODULES])
 def test_no_private_name_outside_compat(path: Path) -> None:
     found = [
         f"{path.name}:{line}: {name} in `{code}`"
@@ -254,7 +254,7 @@ def test_our_subclasses_do_not_redefine_private_attributes_of_their_bases() -> N
     ``INSTANCES`` can build the base."""
     clashes = []
     for path in MODULES:
-        module = importlib.import_module(f"lightning_ndclip.{path.stem}")
+        module = importlib.import_module(".".join(["lightning_ndclip", *path.relative_to(PACKAGE).with_suffix("").parts]))
         for node in ast.parse(path.read_text()).body:
             if not isinstance(node, ast.ClassDef):
                 continue

@@ -15,8 +15,8 @@ Each example's configurations on 4 CPU ranks (2 for the quickstart's default):
 * ``norm_demo.py``: FSDP2 x TP on some layers only (``dp_shard=2 x tp=2``).
 
 What the strategy adds to the examples' parallelization is mirrored: the declarative plan goes
-through :func:`lightning_ndclip.parallelize.parallelize` (with the root unit the strategy picks,
-``self.model``), the pipeline through :func:`lightning_ndclip.pipeline.build_pipeline` with the
+through :func:`lightning_ndclip.core.parallelism.parallelize` (with the root unit the strategy picks,
+``self.model``), the pipeline through :func:`lightning_ndclip.core.pipeline.build_pipeline` with the
 same split, and ``use_sum_reduction`` where the example sets ``loss_normalization`` (each rank then
 backpropagates its part of a loss whose sum over the ranks is the plain model's loss).
 """
@@ -38,8 +38,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from lightning_ndclip import ParallelDims, use_sum_reduction
-from lightning_ndclip.parallelize import parallelize
-from lightning_ndclip.pipeline import build_pipeline
+from lightning_ndclip.core.parallelism import parallelize
+from lightning_ndclip.core.pipeline import build_pipeline
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 if str(EXAMPLES) not in sys.path:  # the examples import their _common.py as a top-level module

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import lightning_ndclip as nd
-from lightning_ndclip.experts import MoE, shard_experts
+from lightning_ndclip.core.experts import MoE, shard_experts
 
 TOKENS_PER_RANK, WORLD, LR, MAX_NORM = 6, 4, 0.2, 0.05
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import lightning_ndclip as nd
-from lightning_ndclip.hf import hf_tp_plan
+from lightning_ndclip.core.hf import hf_tp_plan
 
 transformers = pytest.importorskip("transformers")
 

@@ -14,14 +14,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_ndclip.loss import (
+from lightning_ndclip.core.loss import (
     count_valid_tokens,
     sample_ids_from_lengths,
     sync_sample_weights,
     sync_token_count,
 )
-from lightning_ndclip.metrics import GlobalMeanLoss
-from lightning_ndclip.reduce import use_sum_reduction
+from lightning_ndclip.core.reduce import use_sum_reduction
+from lightning_ndclip.lightning.metrics import GlobalMeanLoss
 
 VOCAB, WIDTH, ROW = 13, 8, 12
 
@@ -275,7 +275,7 @@ def test_edge_cases_give_zero_not_nan():
 def _ddp_case(use_hook: bool) -> float:
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_ndclip.reduce import sum_allreduce_hook
+    from lightning_ndclip.core.reduce import sum_allreduce_hook
 
     window = [_packed_batch(20, 8)]
     reference = _reference_grads(window, hierarchical=False)

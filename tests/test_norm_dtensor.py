@@ -208,7 +208,7 @@ def _recorded_mesh_case():
     total = float(nd.get_total_norm(grads, 2.0, pp_mesh=pp_mesh))
     gone = weakref.ref(pp_mesh)
     del pp_mesh
-    for n in range(1, nd.norm._plans.capacity + 2):  # other layouts evict its cached plan
+    for n in range(1, nd.core.norm._plans.capacity + 2):  # other layouts evict its cached plan
         nd.get_total_norm([torch.ones(n)], 2.0)
     gc.collect()
     return total, gone() is not None
@@ -380,7 +380,7 @@ def test_finite_gradients_whose_squares_overflow_float32_give_the_exact_norm(dty
 
 def _cycling_layouts_case(max_capacity):
     """40 layouts used in turn, as with one optimizer per layer: collectives per round of 40 calls."""
-    from lightning_ndclip import norm
+    from lightning_ndclip.core import norm
 
     norm._plans.clear()
     norm._plans.capacity, norm._plans.max_capacity = 16, max_capacity

@@ -20,8 +20,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import lightning_ndclip as nd
-from lightning_ndclip import norm as norm_module
-from lightning_ndclip.runs import RunFinder
+from lightning_ndclip.core import norm as norm_module
+from lightning_ndclip.core._runs import RunFinder
 
 GLOBAL_BATCH = 8
 

@@ -30,7 +30,7 @@ def test_the_pure_pytorch_core_imports_without_lightning():
         "import sys\n"
         "for m in ('lightning', 'lightning.pytorch', 'lightning.fabric', 'torchmetrics'): sys.modules[m] = None\n"
         "import lightning_ndclip as nd\n"
-        "from lightning_ndclip import context, experts, loss, mesh, norm, pipeline, reduce\n"
+        "from lightning_ndclip.core import context, experts, loss, mesh, norm, pipeline, reduce\n"
         "assert nd.clip_grad_norm_ and nd.sync_token_count and nd.ParallelDims\n"
         "try:\n"
         "    nd.GlobalNormClip\n"

@@ -14,8 +14,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import lightning_ndclip as nd
-from lightning_ndclip.experts import MoE, shard_experts
-from lightning_ndclip.pipeline import build_pipeline, model_units, split_model, sync_tied_parameters, tie_gradients
+from lightning_ndclip.core.experts import MoE, shard_experts
+from lightning_ndclip.core.pipeline import build_pipeline, model_units, split_model, sync_tied_parameters, tie_gradients
 
 VOCAB, WIDTH = 11, 8
 
@@ -117,7 +117,7 @@ def test_split_points_are_checked():
     assert model_units(model) == ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
     stage = split_model(model, ["layers.2", "layers.3", "head"])
     assert stage.embed is None and list(stage.layers) == ["2", "3"]
-    from lightning_ndclip.pipeline import stage_units_of as _stage_units
+    from lightning_ndclip.core.pipeline import stage_units_of as _stage_units
 
     with pytest.raises(ValueError, match="not a unit"):
         _stage_units(model_units(model), ["layers.9"], 2)
@@ -461,7 +461,7 @@ class _UserStagedLM(_PipelinedLM):
     def configure_model(self) -> None:  # the second way: build and parallelize this rank's stage
         from torch.distributed.fsdp import fully_shard
 
-        from lightning_ndclip.pipeline import stage_units_of
+        from lightning_ndclip.core.pipeline import stage_units_of
 
         meshes = self.trainer.strategy.meshes
         index = meshes["pp"].get_local_rank()

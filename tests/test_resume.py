@@ -1,7 +1,7 @@
 """Resuming a checkpoint written mid-epoch, at an optimizer step, with ``loss_normalization``: the
 resumed run ends equal to the uninterrupted one (parameters, ``grad_norm/total``, ``train_loss``).
 
-The accumulation windows read ahead by :class:`~lightning_ndclip.windows.LossWindows` must number
+The accumulation windows read ahead by :class:`~lightning_ndclip.lightning._windows.LossWindows` must number
 their batches from Lightning's restored batch index and start at the data the uninterrupted run
 read there: a plain DataLoader replays the epoch from its first batch (the windows skip what was
 consumed), a stateful one restores its own position (nothing to skip)."""

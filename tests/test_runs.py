@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from lightning_ndclip.runs import RunFinder
+from lightning_ndclip.core._runs import RunFinder
 
 
 def _elements(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -19,8 +19,8 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import lightning_ndclip as nd
-from lightning_ndclip.experts import shard_experts
-from lightning_ndclip.summary import ModuleRow, summarize
+from lightning_ndclip.core.experts import shard_experts
+from lightning_ndclip.core.summary import ModuleRow, summarize
 
 
 class Block(nn.Module):

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_ndclip.loss import sync_sample_weights, sync_token_count
+from lightning_ndclip.core.loss import sync_sample_weights, sync_token_count
 
 if TYPE_CHECKING:
-    from lightning_ndclip.strategy import NDParallelStrategy
+    from lightning_ndclip.lightning.strategy import NDParallelStrategy
 
 __all__ = ["LossWindows"]
 

@@ -9,7 +9,7 @@ Nothing here communicates. For every tensor the rank describes
   mesh dim is counted only at coordinate 0, a ``Shard`` / ``_StridedShard`` dim at every coordinate.
 
 Which instance counts among several copies of a mesh, and which pipeline stage counts a tied
-parameter, needs the other ranks' view and is decided in :mod:`lightning_ndclip.plan`.
+parameter, needs the other ranks' view and is decided in :mod:`lightning_ndclip.core._norm_plan`.
 """
 
 from __future__ import annotations

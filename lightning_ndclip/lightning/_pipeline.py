@@ -1,5 +1,5 @@
 """Pipeline parallelism inside :class:`~lightning_ndclip.NDParallelStrategy`: the Lightning side of
-:mod:`lightning_ndclip.pipeline`.
+:mod:`lightning_ndclip.core.pipeline`.
 
 With ``pp > 1`` the strategy owns one :class:`PipelineRunner`. In the strategy's ``setup`` it cuts
 the model into this rank's stages (or schedules the stages the user's own ``configure_model``
@@ -23,10 +23,10 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_ndclip._compat import tree_leaves
-from lightning_ndclip.loss import TokenCount
-from lightning_ndclip.mesh import ParallelMeshes
-from lightning_ndclip.parallelize import parallelize
-from lightning_ndclip.pipeline import (
+from lightning_ndclip.core.loss import TokenCount
+from lightning_ndclip.core.mesh import ParallelMeshes
+from lightning_ndclip.core.parallelism import parallelize
+from lightning_ndclip.core.pipeline import (
     build_pipeline,
     model_units,
     schedule_stages,

@@ -4,7 +4,7 @@ A ``transformers`` model ships its plan as strings: ``model.tp_plan``, e.g.
 ``{"model.layers.*.self_attn.q_proj": "colwise", ..., "lm_head": "colwise_gather_output"}``.
 :func:`hf_tp_plan` turns the plans of the models inside a module into the
 ``{module name: ParallelStyle}`` that :func:`torch.distributed.tensor.parallel.parallelize_module`
-(and :func:`lightning_ndclip.parallelize.parallelize`, ``NDParallelStrategy(tp_plan="auto")``) take.
+(and :func:`lightning_ndclip.core.parallelism.parallelize`, ``NDParallelStrategy(tp_plan="auto")``) take.
 
 Only the styles plain PyTorch expresses are mapped, each to the layouts ``transformers`` gives it:
 
@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from lightning_ndclip.parallelize import _matches
+from lightning_ndclip.core.parallelism import matches_plan_key
 
 __all__ = ["HF_STYLES", "hf_tp_plan"]
 
@@ -97,7 +97,7 @@ def hf_tp_plan(module: nn.Module) -> dict[str, ParallelStyle]:
                     "give this model a tp_plan of ParallelStyles instead"
                 )
             make, classes = HF_STYLES[style]
-            targets = {name: child for name, child in names.items() if _matches(name, key)}
+            targets = {name: child for name, child in names.items() if matches_plan_key(name, key)}
             if not targets:
                 raise ValueError(f"{where} matches no module of {type(model).__name__}")
             wrong = sorted(f"{n} ({type(m).__name__})" for n, m in targets.items() if not isinstance(m, classes))

@@ -35,15 +35,15 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from typing_extensions import override
 
 from lightning_ndclip import _compat
-from lightning_ndclip.checkpoint import refuse_incomplete_checkpoint, save_distributed_checkpoint_atomically
-from lightning_ndclip.coverage import check_data_parallel_reduction
-from lightning_ndclip.lightning_pipeline import PipelineConfig, PipelineRunner
-from lightning_ndclip.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError
-from lightning_ndclip.parallelize import parallelize
-from lightning_ndclip.reduce import use_sum_reduction
-from lightning_ndclip.replicas import broadcast_replicas_
-from lightning_ndclip.summary import ParallelSummary, summarize
-from lightning_ndclip.windows import LossWindows
+from lightning_ndclip.core._checkpoint import refuse_incomplete_checkpoint, save_distributed_checkpoint_atomically
+from lightning_ndclip.core.coverage import check_data_parallel_reduction
+from lightning_ndclip.core.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError
+from lightning_ndclip.core.parallelism import parallelize
+from lightning_ndclip.core.reduce import use_sum_reduction
+from lightning_ndclip.core.replicas import broadcast_replicas_
+from lightning_ndclip.core.summary import ParallelSummary, summarize
+from lightning_ndclip.lightning._pipeline import PipelineConfig, PipelineRunner
+from lightning_ndclip.lightning._windows import LossWindows
 
 __all__ = ["NDParallelStrategy"]
 
@@ -93,7 +93,7 @@ def _resolve_sizes(
 class NDParallelStrategy(ModelParallelStrategy):
     """N-D parallel training: FSDP2 / HSDP, tensor, context and pipeline parallel dims on one mesh.
 
-    The strategy builds the mesh (:class:`~lightning_ndclip.mesh.ParallelDims`) and hands it to the
+    The strategy builds the mesh (:class:`~lightning_ndclip.core.mesh.ParallelDims`) and hands it to the
     LightningModule as ``self.device_mesh`` (the world mesh, dims ``pp``, ``dp_replicate``,
     ``dp_shard``, ``cp``, ``tp``). It also answers to the flattened views' names, ``dp`` (batch
     dims), ``dp_shard_cp``, ``fsdp`` (FSDP2's mesh: 2-D when ``dp_replicate > 1``) and ``dp_cp`` (loss
@@ -157,8 +157,8 @@ class NDParallelStrategy(ModelParallelStrategy):
             mean loss of each optimizer step (what one device shows for the same window; one scalar
             all-reduce per step), on step and in the progress bar; ``None`` logs nothing.
         tp_plan: declarative tensor parallelism, ``{module name: ParallelStyle}`` (see
-            :func:`lightning_ndclip.parallelize.parallelize`), or ``"auto"``: the own plans of the
-            Hugging Face ``transformers`` models in the LightningModule (:mod:`lightning_ndclip.hf`;
+            :func:`lightning_ndclip.core.parallelism.parallelize`), or ``"auto"``: the own plans of the
+            Hugging Face ``transformers`` models in the LightningModule (:mod:`lightning_ndclip.core.hf`;
             ``pip install 'lightning_ndclip[hf]'``).
         fsdp_units: module classes that each become a ``fully_shard`` unit (the root always does).
         activation_checkpointing: module classes whose activations are recomputed in backward.
@@ -166,7 +166,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             Giving any of these four parallelizes a plain LightningModule with no parallel code; the
             module must then not override ``configure_model`` (one way or the other, not both).
         pp_split_points: with ``pp > 1``: the units that start stages 1, 2, ... (see
-            :mod:`lightning_ndclip.pipeline`; ``pp x pp_stages_per_rank - 1`` of them). Leave empty
+            :mod:`lightning_ndclip.core.pipeline`; ``pp x pp_stages_per_rank - 1`` of them). Leave empty
             to build the stages yourself: a ``configure_model`` that sets ``pp_module`` to an
             ``nn.ModuleDict`` ``{str(global stage index): parallelized stage module}`` of this
             rank's stages (``pp_stages_per_rank`` of them).
@@ -199,7 +199,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             left as built.
         summary: when training starts, print on rank zero what was parallelized how (mesh dims,
             per top-level module: parameters, FSDP2 units, sharded and replicated dims, tensor-parallel
-            styles, pipeline stage, bytes per rank; see :mod:`lightning_ndclip.summary`) and the data
+            styles, pipeline stage, bytes per rank; see :mod:`lightning_ndclip.core.summary`) and the data
             side (samples per optimizer step, the loss normalization), and, with ``loss_normalization``,
             what the first optimizer step counts. ``False`` prints nothing (and gathers nothing).
         save_distributed_checkpoint: save one shard per rank (``True``) or a full checkpoint on rank 0.
@@ -645,7 +645,7 @@ class NDParallelStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """As Lightning's ModelParallelStrategy, but a distributed checkpoint is never written in place: the
         ranks write a fresh sibling directory that rank 0 completes and swaps in, so a fault leaves the old or
-        the new checkpoint at ``filepath``, never a mix (:mod:`lightning_ndclip.checkpoint`). A full
+        the new checkpoint at ``filepath``, never a mix (:mod:`lightning_ndclip.core._checkpoint`). A full
         checkpoint (``save_distributed_checkpoint=False``) is Lightning's, written atomically by rank 0."""
         if storage_options is not None or not _compat.save_distributed_checkpoint(self):
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

@@ -8,7 +8,7 @@ For gradients :math:`g_1, \dots, g_k` of one logical model, viewed as a single f
     \|G\|_\infty = \max_x |x|,
 
 whatever the mesh: every rank adds :math:`|x|^p` over the elements it is the designated holder of
-(see :mod:`lightning_ndclip.plan`), and one all-reduce (SUM, or MAX for the inf norm) over the group
+(see :mod:`lightning_ndclip.core._norm_plan`), and one all-reduce (SUM, or MAX for the inf norm) over the group
 yields the exact total on every rank. No gradient is gathered, no ``full_tensor()`` is called, and
 nothing moves between host and device: the norm and the clip coefficient stay device tensors.
 
@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_ndclip._cache import GrowingLRU
 from lightning_ndclip._compat import (
     device_has_foreach_support,
     disable_torch_function_subclass,
@@ -38,9 +37,10 @@ from lightning_ndclip._compat import (
     foreach_norm,
     local_tensors,
 )
-from lightning_ndclip.layout import dim0_padding
-from lightning_ndclip.plan import NormPlan, NormPlanError, build_plan
-from lightning_ndclip.runs import RunFinder
+from lightning_ndclip.core._cache import GrowingLRU
+from lightning_ndclip.core._layout import dim0_padding
+from lightning_ndclip.core._norm_plan import NormPlan, NormPlanError, build_plan
+from lightning_ndclip.core._runs import RunFinder
 
 __all__ = ["GradNorms", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norms"]
 
@@ -536,7 +536,7 @@ def _scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool |
 
 
 def _scale_runs(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The contiguous runs covering every local element of ``grads`` (see :mod:`lightning_ndclip.runs`)."""
+    """The contiguous runs covering every local element of ``grads`` (see :mod:`lightning_ndclip.core._runs`)."""
     finder, padding, _ = _scale_finders.get(_layout_key(grads), lambda: (RunFinder(), _padding(grads), _specs(grads)))
     return finder.runs(_locals(grads), [True] * len(grads), padding).to_scale
 

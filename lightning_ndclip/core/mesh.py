@@ -10,7 +10,7 @@ view        dims                         used for
 ``dp_shard_cp`` dp_shard, cp             FSDP2 sharding (context-parallel ranks shard too)
 ``dp_cp``   dp_replicate, dp_shard, cp   the loss dims: token and sample counts, ``sync_dist``
 ``fsdp``    dp_replicate x dp_shard_cp   ``fully_shard``'s mesh: 2-D (HSDP) when dp_replicate > 1
-``ep``      (part of dp_shard_cp)        experts sharded over it (:mod:`lightning_ndclip.experts`)
+``ep``      (part of dp_shard_cp)        experts sharded over it (:mod:`lightning_ndclip.core.experts`)
 ``edp``     (dp_shard_cp / ep)           expert data parallel: ranks holding the same experts
 ========== ============================ ===================================================
 

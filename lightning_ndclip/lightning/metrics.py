@@ -17,7 +17,7 @@ class GlobalMeanLoss(Metric):
     * token mean: ``update(loss_sum_local, valid_tokens_local)``;
     * hierarchical mean: ``update(weights_sum, samples)`` with
       ``weights_sum`` :math:`= \sum_{i\ \text{local}} \ell_i / T_{b(i)}` and ``samples`` the
-      :attr:`~lightning_ndclip.loss.SampleWeights.local_samples` (each sample counted by one cp rank).
+      :attr:`~lightning_ndclip.core.loss.SampleWeights.local_samples` (each sample counted by one cp rank).
 
     Pass ``process_group`` = the loss group (data-parallel x context-parallel ranks): tp and pp
     peers hold copies of the same values and must not be added again. A window with zero weight

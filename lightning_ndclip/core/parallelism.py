@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_ndclip._compat import checkpoint_wrapper
-from lightning_ndclip.mesh import ParallelMeshes
+from lightning_ndclip.core.mesh import ParallelMeshes
 
 __all__ = ["parallelize"]
 
@@ -40,7 +40,7 @@ def _check_classes(module: nn.Module, argument: str, classes: Sequence[type[nn.M
         )
 
 
-def _matches(name: str, key: str) -> bool:
+def matches_plan_key(name: str, key: str) -> bool:
     """Whether a module name matches a plan key part by part, ``*`` standing for one part (as in
     ``parallelize_module``)."""
     parts, patterns = name.split("."), key.split(".")
@@ -66,7 +66,7 @@ def parallelize(
             ``dp_replicate x dp_shard_cp`` for HSDP).
         tp_plan: ``{module name: ParallelStyle}`` for ``parallelize_module`` (names relative to
             ``module``; wildcards as in PyTorch), or ``"auto"``: the own plans of the Hugging Face
-            ``transformers`` models inside ``module`` (:func:`lightning_ndclip.hf.hf_tp_plan`).
+            ``transformers`` models inside ``module`` (:func:`lightning_ndclip.core.hf.hf_tp_plan`).
         fsdp_units: module classes that each become one ``fully_shard`` unit (e.g. the transformer
             block); the root gets a unit for the remaining parameters.
         activation_checkpointing: module classes whose instances recompute activations in backward.
@@ -88,11 +88,11 @@ def parallelize(
         if meshes["tp"].size() == 1:
             raise ValueError("tp_plan was given but tp=1; set tp > 1 or drop tp_plan")
         if tp_plan == "auto":
-            from lightning_ndclip.hf import hf_tp_plan  # imports parallelize's name matching
+            from lightning_ndclip.core.hf import hf_tp_plan  # imports parallelize's name matching
 
             tp_plan = hf_tp_plan(module)
         names = [name for name, _ in module.named_modules() if name]
-        unmatched = [key for key in tp_plan if not any(_matches(name, key) for name in names)]
+        unmatched = [key for key in tp_plan if not any(matches_plan_key(name, key) for name in names)]
         if unmatched:
             raise ValueError(
                 f"tp_plan entries {unmatched} match no submodule of {type(module).__name__} (names are relative to "

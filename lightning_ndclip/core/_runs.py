@@ -11,7 +11,7 @@ stretches exactly:
   ``Replicate`` parameter inside a unit of ``Shard`` ones), so norming a run equals norming its
   members, whatever the gaps hold;
 * a run to scale crosses a gap only when the caller declares it padding of the tensor before it
-  (FSDP2 pads uneven dim-0 shards; see :func:`lightning_ndclip.layout.dim0_padding`) and the gap
+  (FSDP2 pads uneven dim-0 shards; see :func:`lightning_ndclip.core._layout.dim0_padding`) and the gap
   has exactly that size: no other tensor lives there and nothing reads it, so scaling it is harmless.
   Other gaps are never written;
 * anything else (plain tensors, overlapping or non-contiguous views) is its own run.

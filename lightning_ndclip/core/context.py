@@ -18,7 +18,7 @@ The ranks of a context-parallel (cp) group hold the same rows and each a part of
 
 Parameters are replicated over cp; their gradients must be summed over cp (FSDP2 over
 ``dp_shard_cp`` with SUM reduction does it), and the loss normalized as in
-:mod:`lightning_ndclip.loss` (per-sample token counts summed over cp).
+:mod:`lightning_ndclip.core.loss` (per-sample token counts summed over cp).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from typing_extensions import override
 
 from lightning_ndclip import _compat
-from lightning_ndclip.norm import GradNorms, grad_norms
+from lightning_ndclip.core.norm import GradNorms, grad_norms
 
 __all__ = ["GlobalNormClip"]
 

@@ -1,6 +1,6 @@
 """SUM gradient reduction: the data-parallel reduction adds gradients and never divides.
 
-With the mean moved into the loss (:mod:`lightning_ndclip.loss`), every data-parallel rank
+With the mean moved into the loss (:mod:`lightning_ndclip.core.loss`), every data-parallel rank
 backpropagates its share of the *global* mean, so the exact gradient is the plain sum over ranks.
 Any division in the reduction (FSDP2's default average, DDP's division by the world size) would
 scale it a second time.

@@ -5,7 +5,7 @@ every logical element count **exactly once worldwide**, so that a single all-red
 sums (a max for the inf norm) yields the exact total:
 
 * inside a mesh instance, ``Shard`` / ``_StridedShard`` dims are disjoint pieces (all count) and
-  ``Replicate`` dims are copies (only coordinate 0 counts) — see :mod:`lightning_ndclip.layout`;
+  ``Replicate`` dims are copies (only coordinate 0 counts) — see :mod:`lightning_ndclip.core._layout`;
 * ranks of one pipeline stage that are *not* in a tensor's mesh instance hold further copies of the
   instance (a dense layer's FSDP mesh seen from another tp or ep coordinate; a DDP-style plain
   tensor on every rank): only the instance that contains the stage's lowest rank counts;
@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_ndclip._compat import root_mesh
-from lightning_ndclip.layout import TensorLayout, describe
+from lightning_ndclip.core._layout import TensorLayout, describe
 
 PP_DIM_NAME = "pp"
 """Mesh dim name taken to be the pipeline dim when no ``pp_mesh`` is given."""

@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_ndclip.layout import mesh_ranks
-from lightning_ndclip.mesh import ParallelMeshes
+from lightning_ndclip.core._layout import mesh_ranks
+from lightning_ndclip.core.mesh import ParallelMeshes
 
 __all__ = ["check_data_parallel_reduction"]
 
