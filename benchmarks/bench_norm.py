@@ -99,16 +99,13 @@ def local_grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
     return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
 
 
-def count_runs(params: list[nn.Parameter]) -> tuple[int, int]:
-    """(#runs to norm, #runs to scale) that ndclip's RunFinder makes of this rank's gradients."""
+def count_runs(params: list[nn.Parameter], plans: nd.NormPlans) -> tuple[int, int]:
+    """(#runs to norm, #runs to scale) that ndclip's RunFinder makes of this rank's gradients, counting
+    the tensors that the plan ``plans`` used last counts (all of them if that plan is for other tensors)."""
     locals_ = local_grads(params)
-    counted = [True] * len(locals_)
-    try:  # the counted flags of the most recent cached plan (private; diagnostic only)
-        plan = next(reversed(nd.core.norm._plans.values())).plan
-        if len(plan.counted) == len(locals_):
-            counted = list(plan.counted)
-    except Exception:  # noqa: BLE001
-        pass
+    counted = plans.counted()
+    if counted is None or len(counted) != len(locals_):
+        counted = (True,) * len(locals_)
     runs = RunFinder().runs(locals_, counted, [dim0_padding(p.grad) for p in params])
     return len(runs.to_norm), len(runs.to_scale)
 
@@ -179,9 +176,10 @@ def bench_case(layout: str, n_tensors: int, args) -> dict:
     build_s = time.perf_counter() - t0
     params = [p for p in model.parameters() if p.grad is not None]
     numel = sum(g.numel() for g in local_grads(params))
+    plans = nd.NormPlans()  # this model's plans only, dropped with it
     methods = {
-        "ndclip": lambda: nd.clip_grad_norm_(params, max_norm=1e9),
-        "ndclip_norm": lambda: nd.get_total_norm([p.grad for p in params]),
+        "ndclip": lambda: nd.clip_grad_norm_(params, max_norm=1e9, plans=plans),
+        "ndclip_norm": lambda: nd.get_total_norm([p.grad for p in params], plans=plans),
         "torch": lambda: torch.nn.utils.clip_grad_norm_(params, 1e9),
         "torchtitan": (lambda: titan_clip(params, 1e9)) if titan_clip else TITAN_MISSING,
     }
@@ -200,13 +198,13 @@ def bench_case(layout: str, n_tensors: int, args) -> dict:
     out.update({name: timed[name] if callable(fn) else {"error": fn} for name, fn in methods.items()})
     out.update({name: timed[name] for name in references})
     # correctness: ndclip's norm against torch's where torch works (coef is 1.0: grads unchanged)
-    ours = float(nd.clip_grad_norm_(params, max_norm=1e9))
+    ours = float(nd.clip_grad_norm_(params, max_norm=1e9, plans=plans))
     out["norm"] = ours
     if "ms" in out["torch"]:
         ref = torch.nn.utils.clip_grad_norm_(params, 1e9)
         ref = float(ref.full_tensor() if isinstance(ref, DTensor) else ref)
         out["rel_err_vs_torch"] = abs(ours - ref) / max(abs(ref), 1e-30)
-    out["runs_norm"], out["runs_scale"] = count_runs(params)
+    out["runs_norm"], out["runs_scale"] = count_runs(params, plans)
     methods.clear()  # the lambdas hold the model
     gc.collect()
     return out

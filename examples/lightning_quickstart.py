@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ndclip import GlobalNormClip, NDParallelStrategy
+from lightning_ndclip import GlobalNormClip, NDParallelStrategy, ParallelPlan
 
 
 class Regressor(L.LightningModule):
@@ -59,10 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """NDParallelStrategy's arguments: the declarative plan that parallelizes ``Regressor``."""
     if args.tp == 1:  # one FSDP2 unit per linear, and the root
-        return dict(tp=1, tp_plan=None, fsdp_units=(nn.Linear,))
+        return dict(tp=1, plan=ParallelPlan(fsdp_units=(nn.Linear,)))
     # the TP linears stay in the root unit: their outputs are views (DTensor.to_local), and FSDP2
     # warns when a unit returns a view (an in-place op on it would skip the unit's backward hooks)
-    return dict(tp=args.tp, tp_plan={"net.0": ColwiseParallel(), "net.2": RowwiseParallel()}, fsdp_units=())
+    return dict(tp=args.tp, plan=ParallelPlan(tp_plan={"net.0": ColwiseParallel(), "net.2": RowwiseParallel()}))
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ndclip import GlobalNormClip, NDParallelStrategy
+from lightning_ndclip import GlobalNormClip, NDParallelStrategy, ParallelPlan, PipelineOptions
 
 
 def packed_documents(rows: int, seq_len: int, vocab: int, seed: int = 0) -> TensorDataset:
@@ -139,14 +139,14 @@ def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tp_plan = {f"model.layers.{i}.{n}": style for i in range(args.layers)
                    for n, style in (("qkv", ColwiseParallel()), ("proj", RowwiseParallel()),
                                     ("fc1", ColwiseParallel()), ("fc2", RowwiseParallel()))}
-    pipeline = {}
+    pipeline = None
     if args.pp > 1:
         per_stage = args.layers // args.pp
-        pipeline = {"pp_split_points": [f"layers.{per_stage * s}" for s in range(1, args.pp)], "pp_microbatches": 2}
+        pipeline = PipelineOptions(split_points=[f"layers.{per_stage * s}" for s in range(1, args.pp)], microbatches=2)
         tp_plan = None  # TP inside pipeline stages: see docs/pipeline.md (a parallelize_stage hook)
     return dict(
-        dp_shard=args.dp_shard, tp=args.tp if args.pp == 1 else 1, pp=args.pp, tp_plan=tp_plan,
-        fsdp_units=(Block,), loss_normalization="token_mean", log_loss="train/loss", **pipeline,
+        dp_shard=args.dp_shard, tp=args.tp if args.pp == 1 else 1, pp=args.pp, pipeline=pipeline,
+        plan=ParallelPlan(tp_plan=tp_plan, fsdp_units=(Block,)), loss_normalization="token_mean", log_loss="train/loss",
     )
 
 

@@ -35,7 +35,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ndclip import GlobalNormClip, NDParallelStrategy
+from lightning_ndclip import GlobalNormClip, NDParallelStrategy, ParallelPlan
 from lightning_ndclip.core.context import context_parallel_attention, shard_sequence
 
 TIME_FEATURES = 32
@@ -222,7 +222,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """NDParallelStrategy's arguments: the mesh sizes and the declarative plan that parallelizes ``LitVideoDiT``."""
-    return dict(dp_shard=args.dp_shard, cp=args.cp, fsdp_units=(DiTBlock,), loss_normalization="sample_mean",
+    return dict(dp_shard=args.dp_shard, cp=args.cp, plan=ParallelPlan(fsdp_units=(DiTBlock,)), loss_normalization="sample_mean",
                 log_loss="train/loss")
 
 

@@ -17,15 +17,24 @@ from lightning_ndclip.core.loss import (
     SampleWeights,
     TokenCount,
     count_valid_tokens,
+    loss_share,
     sample_ids_from_lengths,
     sync_sample_weights,
     sync_token_count,
 )
 from lightning_ndclip.core.mesh import LIGHTNING_DIM_NAMES, MESH_DIM_NAMES, ParallelDims, ParallelMeshes
-from lightning_ndclip.core.norm import GradNorms, clip_grad_norm_, clip_grads_with_norm_, get_total_norm, grad_norms
-from lightning_ndclip.core.parallelism import parallelize
+from lightning_ndclip.core.norm import (
+    GradNorms,
+    NormPlans,
+    clip_grad_norm_,
+    clip_grads_with_norm_,
+    get_total_norm,
+    grad_norms,
+)
+from lightning_ndclip.core.parallelism import ParallelPlan, parallelize
 from lightning_ndclip.core.pipeline import (
     SCHEDULES,
+    PipelineOptions,
     build_pipeline,
     model_units,
     schedule_stages,
@@ -70,9 +79,12 @@ __all__ = [
     "MoE",
     "NDParallelStrategy",
     "NormPlanError",
+    "NormPlans",
     "ParallelDims",
     "ParallelMeshes",
+    "ParallelPlan",
     "ParallelSummary",
+    "PipelineOptions",
     "SampleWeights",
     "TokenCount",
     "broadcast_replicas_",
@@ -85,6 +97,7 @@ __all__ = [
     "get_total_norm",
     "grad_norms",
     "hf_tp_plan",
+    "loss_share",
     "model_units",
     "parallelize",
     "sample_ids_from_lengths",

@@ -22,8 +22,10 @@ _LIGHTNING_LAYER = {"GlobalMeanLoss", "GlobalNormClip", "NDParallelStrategy"}
 
 def needs_lightning(source: str) -> bool:
     """Whether code imports Lightning (directly, through the package's Lightning layer, or through a
-    module of tests/ or examples/ that does), anywhere in it."""
+    module of tests/ or examples/ that does), anywhere in it; ``nd.GlobalNormClip`` counts as an import."""
     for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in _LIGHTNING_LAYER:
+            return True
         if isinstance(node, ast.Import):
             modules = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:

@@ -4,7 +4,6 @@ logged norms and trained parameters equal single-device training of the same glo
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run_on_ranks
+from helpers import use_existing_process_group  # also imported from here by other modules
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
@@ -27,15 +27,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ndclip import GlobalNormClip, NDParallelStrategy
 
 STEPS, LOCAL_BATCH, LR = 4, 2, 0.5
-
-
-def use_existing_process_group() -> None:
-    """Let a Trainer in a harness worker join the worker's process group, as under torchrun."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-        GROUP_RANK="0", TORCHELASTIC_RUN_ID="harness", MASTER_PORT=os.environ.get("MASTER_PORT", "29999"),
-    )
 
 
 def _mlp() -> nn.Sequential:

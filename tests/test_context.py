@@ -1,14 +1,13 @@
 """Context parallelism: attention over cp-sharded sequences, and whole models under dp x cp, equal
-single-device attention, gradients and norms in float64."""
+single-device attention, gradients and norms in float64. The same in ``Trainer.fit``:
+test_context_trainer.py."""
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 from harness import run_on_ranks
-from test_callbacks import use_existing_process_group
 from test_loss import _packed_batch, _shard_rows
 from test_norm_dtensor import assert_close
 from torch import nn
@@ -170,127 +169,3 @@ def _model_case(kind: str, dp: int, cp: int) -> float:
 @pytest.mark.parametrize("kind,dp,cp", [("video", 2, 2), ("lm", 1, 2)], ids=["dit-dp2xcp2", "causal-lm-cp2"])
 def test_models_under_context_parallel_match_single_device(kind, dp, cp):
     assert max(run_on_ranks(dp * cp, _model_case, kind, dp, cp)) < 1e-10
-
-
-# --- end to end: NDParallelStrategy(dp_shard=2, cp=2, loss_normalization="sample_mean") ---
-
-DIT_ROWS, DIT_LR = 4, 0.5
-
-
-class _DiTModule(L.LightningModule):
-    """Packed video rows; the cp rank takes its part of each row; loss: the per-sample mean."""
-
-    def __init__(self, biased: bool = False) -> None:
-        super().__init__()
-        self.model = TinyTransformer(None)
-        self.biased = biased
-
-    def configure_model(self) -> None:
-        fully_shard(self.model, mesh=self.trainer.strategy.meshes["fsdp"])
-        if self.biased:  # the usual recipe: per-rank token mean, averaged (cp ranks included)
-            self.model.set_gradient_divide_factor(1.0)  # FSDP's default divides by dp x cp ...
-            self.model.set_force_sum_reduction_for_comms(True)  # ... here made explicit: mean below
-
-    def _cp(self):
-        cp = self.trainer.strategy.meshes["cp"]
-        return cp.get_local_rank(), cp.size(), cp.get_group()
-
-    def sample_ids(self, batch):
-        ids = batch[2]
-        present = ids[ids >= 0].unique()  # renumber the micro-batch's samples 0..n-1, alike on cp ranks
-        local = torch.where(ids >= 0, torch.searchsorted(present, ids.clamp(min=0)), -1)
-        rank, size, _ = self._cp()
-        return shard_sequence(local, rank, size, dim=1)[0], len(present)
-
-    def training_step(self, batch, batch_idx):
-        x, y, ids = batch
-        rank, size, group = self._cp()
-        (x, positions), (y, _), (ids, _) = (shard_sequence(t, rank, size, dim=1) for t in (x, y, ids))
-        pred = self.model(x, positions, ids, group, is_causal=False)
-        losses = ((pred - y) ** 2).sum(-1)  # per-token losses; the strategy weighs them
-        if self.biased:
-            return losses[ids >= 0].mean() / self.trainer.world_size
-        return losses
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=DIT_LR)
-
-    def train_dataloader(self):
-        b = _video_batch(DIT_ROWS)
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(b["x"], b["y"], b["ids"]), batch_size=1)
-
-
-def _dit_trainer_case(biased: bool) -> dict:
-    use_existing_process_group()
-    module = _DiTModule(biased)
-    mode = None if biased else "sample_mean"
-    trainer = L.Trainer(
-        accelerator="cpu", devices=4, strategy=nd.NDParallelStrategy(dp_shard=2, cp=2, loss_normalization=mode),
-        max_steps=1, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )
-    trainer.fit(module)  # one step = 2 micro-batches x 2 dp ranks = every row: order-independent
-    return {n: p.detach().full_tensor() for n, p in module.model.named_parameters()}
-
-
-def test_sample_mean_with_context_parallel_in_the_trainer_matches_single_device():
-    batch = _video_batch(DIT_ROWS)
-    grads, _ = _reference("video", batch)
-    expected = {n: p.detach() - DIT_LR * grads[n] for n, p in TinyTransformer(None).named_parameters()}
-    def worst(results):
-        return max(float((v - expected[n]).norm() / expected[n].norm()) for r in results for n, v in r.items())
-
-    assert worst(run_on_ranks(4, _dit_trainer_case, False)) < 1e-12
-    assert worst(run_on_ranks(4, _dit_trainer_case, True)) > 1e-4, "the per-rank mean should be detectably off"
-
-
-# --- end to end: NDParallelStrategy(dp_shard=2, cp=2, loss_normalization="token_mean") ---
-
-
-class _CausalLMModule(L.LightningModule):
-    """Packed token rows; the cp rank takes its load-balanced part of each row; loss: token mean."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = TinyTransformer(13)
-
-    def configure_model(self) -> None:
-        fully_shard(self.model, mesh=self.trainer.strategy.meshes["fsdp"])
-
-    def count_tokens(self, batch) -> torch.Tensor:  # of the raw batch, as cp peers all see it
-        return count_valid_tokens(batch[1])
-
-    def training_step(self, batch, batch_idx):
-        cp = self.trainer.strategy.meshes["cp"]
-        rank, size = cp.get_local_rank(), cp.size()
-        (tokens, positions), (labels, _) = (shard_sequence(t, rank, size, dim=1, load_balance=True) for t in batch)
-        logits = self.model(tokens, positions, None, cp.get_group(), is_causal=True)
-        # per-token losses of this rank's cp shard (a mean would need the shard's own token count)
-        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=DIT_LR)
-
-    def train_dataloader(self):
-        b = _packed_batch(8, 4)
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(b["tokens"], b["labels"]), batch_size=1)
-
-
-def _lm_trainer_case() -> dict:
-    use_existing_process_group()
-    module = _CausalLMModule()
-    trainer = L.Trainer(
-        accelerator="cpu", devices=4, max_steps=1, accumulate_grad_batches=2, logger=False,
-        strategy=nd.NDParallelStrategy(dp_shard=2, cp=2, loss_normalization="token_mean"),
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    trainer.fit(module)  # one step = 2 micro-batches x 2 dp ranks = every row
-    return {n: p.detach().full_tensor() for n, p in module.model.named_parameters()}
-
-
-def test_token_mean_with_context_parallel_in_the_trainer_matches_single_device():
-    """Each token counted once: cp peers read the same raw batch, so counts are summed over dp only."""
-    grads, _ = _reference("lm", _packed_batch(8, 4))
-    expected = {n: p.detach() - DIT_LR * grads[n] for n, p in TinyTransformer(13).named_parameters()}
-    results = run_on_ranks(4, _lm_trainer_case)
-    assert max(float((v - expected[n]).norm() / expected[n].norm()) for r in results for n, v in r.items()) < 1e-12

@@ -16,11 +16,19 @@ same namespace. ``before`` names a function of ``doc_snippets.py`` returning the
 (e.g. a small model with gradients for a block that says ``model.parameters()``); ``after`` one
 that checks the namespace the block left (e.g. that its norm equals
 ``torch.nn.utils.clip_grad_norm_``'s). Blocks run in a scratch working directory.
+
+Where Lightning is not installed (CI's core-only run), a block that imports it, or names a fixture of
+``doc_snippets_lightning.py``, is reported as skipped saying so; likewise a block that needs
+``transformers`` (the ``hf`` extra) where that is not installed.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import importlib
+import importlib.util
+import inspect
 import os
 import re
 import tempfile
@@ -28,14 +36,19 @@ import textwrap
 from pathlib import Path
 from unittest import mock
 
+import doc_snippets
 import pytest
+from conftest import HAVE_LIGHTNING, needs_lightning
 from harness import run_on_ranks
+from helpers import use_existing_process_group
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _FENCE = re.compile(r"^[ \t]*```python[ \t]*$")
 _RUN = re.compile(r"^[ \t]*<!--\s*run:(?P<args>[^>]*)-->\s*$")
 _NOT_RUN = re.compile(r"^#\s*not run:\s*(?P<why>.+)$")
+_EXTRAS = {"transformers": "hf"}
+"""Optional packages a block (or its fixture) may import, and the extra that installs each."""
 
 
 def _blocks() -> list:
@@ -60,12 +73,37 @@ def _blocks() -> list:
     return found
 
 
-def _run_block(source: str, options: dict) -> None:
-    import doc_snippets
-    from test_callbacks import use_existing_process_group
+def _fixture(name: str):
+    """A function of doc_snippets.py, or else of doc_snippets_lightning.py (imported here, by name, so
+    that the core-only run, which skips the blocks naming one of its functions, never imports it)."""
+    if hasattr(doc_snippets, name):
+        return getattr(doc_snippets, name)
+    return getattr(importlib.import_module("doc_snippets_lightning"), name)
 
+
+def _missing(source: str, options: dict) -> str | None:
+    """What the block needs that is not installed: Lightning (imported by the block or by its fixtures, or a
+    fixture of doc_snippets_lightning.py), or an optional package of ``_EXTRAS``; None if nothing."""
+    names = [options[key] for key in ("before", "after") if key in options]
+    fixtures = [getattr(doc_snippets, name) for name in names if hasattr(doc_snippets, name)]
+    code = "\n\n".join([source, *(inspect.getsource(f) for f in fixtures)])
+    if not HAVE_LIGHTNING and (len(fixtures) < len(names) or needs_lightning(code)):
+        return "Lightning (the lightning extra)"
+    imported = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            imported.add(node.module.split(".")[0])
+    for package, extra in _EXTRAS.items():
+        if package in imported and importlib.util.find_spec(package) is None:
+            return f"{package} (the {extra} extra)"
+    return None
+
+
+def _run_block(source: str, options: dict) -> None:
     use_existing_process_group()
-    namespace = getattr(doc_snippets, options["before"])() if "before" in options else {}
+    namespace = _fixture(options["before"])() if "before" in options else {}
     namespace["__name__"] = "__doc_snippet__"
     # the worker's gloo group is the one a script's init_process_group would get from torchrun's env
     launch = mock.patch("torch.distributed.init_process_group") if options.get("launch") == "torchrun" else None
@@ -75,7 +113,7 @@ def _run_block(source: str, options: dict) -> None:
         try:
             exec(compile(source, "<doc block>", "exec"), namespace)
             if "after" in options:
-                getattr(doc_snippets, options["after"])(namespace)
+                _fixture(options["after"])(namespace)
         finally:
             os.chdir(cwd)
 
@@ -86,4 +124,6 @@ def test_every_python_block_runs_or_says_why_not(source, options):
     if reason := _NOT_RUN.match(first):
         assert len(reason["why"].strip()) >= 10, "say why the block cannot run"
         pytest.skip(f"not run: {reason['why'].strip()}")
+    if missing := _missing(source, options):
+        pytest.skip(f"needs {missing}, which is not installed")
     run_on_ranks(int(options.get("ranks", 1)), _run_block, source, options, timeout=120)

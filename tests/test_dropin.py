@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader
 
-from lightning_ndclip import NDParallelStrategy
+from lightning_ndclip import NDParallelStrategy, ParallelPlan, PipelineOptions
 
 # --- arguments: Lightning's names, "auto", and errors that name the argument, before any collective ---
 
@@ -33,11 +33,29 @@ from lightning_ndclip import NDParallelStrategy
         (dict(data_parallel_size=True), ValueError, "data_parallel_size must be a positive int or 'auto'"),
         (dict(data_parallel_size=2, dp_shard=2), TypeError, "data_parallel_size (Lightning's name for dp_shard) or dp_shard=2"),
         (dict(tensor_parallel_size=2, tp=2), TypeError, "tensor_parallel_size (Lightning's name for tp) or tp=2"),
+        (dict(tp=2, fsdp_units=[torch.nn.Linear]), TypeError, "fsdp_units=...) is now plan=ParallelPlan(fsdp_units=...)"),
+        (dict(pp=2, pp_schedule="gpipe"), TypeError, "pp_schedule=...) is now pipeline=PipelineOptions(schedule=...)"),
+        (dict(plan=ParallelPlan(tp_plan={"a": ColwiseParallel()})), ValueError, "plan=ParallelPlan(tp_plan=...)) needs tp > 1"),
+        (dict(pp=2, pipeline=PipelineOptions(split_points=["a", "b"])), ValueError, "2 stages need 1 PipelineOptions("),
     ],
 )
 def test_bad_arguments_name_themselves_and_the_accepted_forms(kwargs, error, message):
     with pytest.raises(error) as info:
         NDParallelStrategy(**kwargs)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(schedule="zb"), "PipelineOptions(schedule='zb'): choose one of ['1f1b', 'gpipe',"),
+        (dict(microbatches=0), "PipelineOptions(microbatches=0): must be a positive int"),
+        (dict(stages_per_rank=None), "PipelineOptions(stages_per_rank=None): must be a positive int"),
+    ],
+)
+def test_pipeline_options_refuse_what_no_pipeline_can_run(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        PipelineOptions(**kwargs)
     assert message in str(info.value)
 
 

@@ -38,7 +38,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from lightning_ndclip import ParallelDims, use_sum_reduction
-from lightning_ndclip.core.parallelism import parallelize
 from lightning_ndclip.core.pipeline import build_pipeline
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -147,7 +146,7 @@ def _gpt_fsdp_tp(argv: list[str]) -> dict[str, tuple[float, float]]:
     args, kwargs, dims, lit, plain, tokens, labels = _gpt_setup(argv)
     meshes = dims.build_mesh("cpu")
     # as NDParallelStrategy applies its declarative plan: the root unit is what training_step calls
-    parallelize(lit, meshes, tp_plan=kwargs["tp_plan"], fsdp_units=kwargs["fsdp_units"], root_units=[lit.model])
+    kwargs["plan"].apply(lit, meshes, root_units=[lit.model])
     use_sum_reduction(lit)  # loss_normalization="token_mean"
     mine = slice(meshes["dp"].get_local_rank() * ROWS_PER_RANK, (meshes["dp"].get_local_rank() + 1) * ROWS_PER_RANK)
     logits = lit.model(tokens[mine])
@@ -159,14 +158,14 @@ def _gpt_fsdp_tp(argv: list[str]) -> dict[str, tuple[float, float]]:
 def _gpt_pipeline(argv: list[str]) -> dict[str, tuple[float, float]]:
     args, kwargs, dims, lit, plain, tokens, labels = _gpt_setup(argv)
     meshes = dims.build_mesh("cpu")
-    plan = {"tp_plan": kwargs["tp_plan"], "fsdp_units": kwargs["fsdp_units"]}
+    options = kwargs["pipeline"]
 
     def parallelize_stage(stage: nn.Module) -> None:  # as the strategy's PipelineRunner does
-        parallelize(stage, meshes, **plan)
+        kwargs["plan"].apply(stage, meshes)
         use_sum_reduction(stage)
 
     schedule, stages = build_pipeline(
-        lit.model, meshes["pp"], kwargs["pp_split_points"], n_microbatches=kwargs["pp_microbatches"],
+        lit.model, meshes["pp"], options.split_points, n_microbatches=options.microbatches,
         loss_fn=lambda out, target: lit.pipeline_loss(out, target).sum(), parallelize_fn=parallelize_stage,
         device=torch.device("cpu"),
     )  # fmt: skip
@@ -183,11 +182,11 @@ def _gpt_pipeline(argv: list[str]) -> dict[str, tuple[float, float]]:
     else:
         schedule.step()
     want = _gpt_plain(plain, lit, tokens, labels)
-    n = kwargs["pp_microbatches"]  # (a first forward before them infers the stage's shapes)
+    n = options.microbatches  # (a first forward before them infers the stage's shapes)
     if pp_rank == pp - 1:
         compared = [(torch.cat(outputs[-n:]), want[mine])]
     else:  # a hidden state between stages: the plain model's, up to the split
-        split = int(kwargs["pp_split_points"][pp_rank].split(".")[1])
+        split = int(options.split_points[pp_rank].split(".")[1])
         h = plain.embed(tokens[mine]) + plain.pos[: tokens.shape[1]]
         for i in range(split):
             h = plain.layers[str(i)](h)
@@ -233,7 +232,7 @@ def _dit(argv: list[str]) -> dict[str, tuple[float, float]]:
     weights = torch.rand(rows, args.seq_len, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
 
     meshes = dims.build_mesh("cpu")
-    parallelize(lit, meshes, fsdp_units=kwargs["fsdp_units"], root_units=[lit.model])
+    kwargs["plan"].apply(lit, meshes, root_units=[lit.model])
     use_sum_reduction(lit)  # loss_normalization="sample_mean"
     dp = meshes["dp"].get_local_rank()
     mine = slice(dp * ROWS_PER_RANK, (dp + 1) * ROWS_PER_RANK)
@@ -307,7 +306,7 @@ def _quickstart(argv: list[str]) -> dict[str, tuple[float, float]]:
     x, y = (t[: 8 * dims.batch_size].double() for t in lit.train_dataloader().dataset.tensors)
 
     meshes = dims.build_mesh("cpu")
-    parallelize(lit, meshes, tp_plan=kwargs["tp_plan"], fsdp_units=kwargs["fsdp_units"], root_units=[lit.net])
+    kwargs["plan"].apply(lit, meshes, root_units=[lit.net])
     dp = meshes["dp"].get_local_rank()
     mine = slice(dp * 8, (dp + 1) * 8)
     out = lit.net(x[mine])

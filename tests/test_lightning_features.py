@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ndclip import GlobalNormClip, NDParallelStrategy
+from lightning_ndclip import GlobalNormClip, NDParallelStrategy, ParallelPlan, PipelineOptions
 
 WORLD = 4
 ROWS = 2  # rows per rank and batch
@@ -329,10 +329,12 @@ def _stage_params(module: _PipeLM) -> dict[str, torch.Tensor]:
 
 LIFECYCLE: dict[str, tuple[str, type[L.LightningModule], Callable[[], NDParallelStrategy]]] = {
     "declarative-plan": ("mlp", _Mlp, lambda: NDParallelStrategy(
-        dp_shard=2, tp=2, tp_plan={"net.0": ColwiseParallel(), "net.2": RowwiseParallel()}, fsdp_units=(nn.Linear,))),
+        dp_shard=2, tp=2,
+        plan=ParallelPlan(tp_plan={"net.0": ColwiseParallel(), "net.2": RowwiseParallel()}, fsdp_units=(nn.Linear,)))),
     "configure_model": ("mlp", _HandMlp, lambda: NDParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)),
     "pp2xdp2": ("lm", _PipeLM, lambda: NDParallelStrategy(
-        pp=2, dp_shard=2, pp_split_points=["layers.2"], pp_microbatches=PP_MICRO, fsdp_units=(nn.Linear,))),
+        pp=2, dp_shard=2, pipeline=PipelineOptions(split_points=["layers.2"], microbatches=PP_MICRO),
+        plan=ParallelPlan(fsdp_units=(nn.Linear,)))),
 }
 
 

@@ -139,6 +139,7 @@ def test_ranks_that_disagree_fail_together_with_the_difference_named():
 def _diverged_plans_case(norm_type, layout_of_rank):
     """Every rank caches the plans of three layouts, then the ranks pick different ones in the same
     call: every cache hits, so only the check riding on the all-reduce can notice."""
+    plans = nd.NormPlans()
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
     layouts = [
         [distribute_tensor(_full((8, 3), 0), mesh, [Shard(0)])],
@@ -146,9 +147,9 @@ def _diverged_plans_case(norm_type, layout_of_rank):
         [distribute_tensor(_full((8, 3), 0), mesh, [Shard(0)]), _full((2,), 1)],
     ]
     for grads in layouts:
-        nd.get_total_norm(grads, norm_type)
+        nd.get_total_norm(grads, norm_type, plans=plans)
     with pytest.raises(RuntimeError, match="different cached norm plans") as info:
-        nd.get_total_norm(layouts[layout_of_rank[dist.get_rank()]], norm_type)
+        nd.get_total_norm(layouts[layout_of_rank[dist.get_rank()]], norm_type, plans=plans)
     return str(info.value)
 
 
@@ -173,15 +174,16 @@ def _changed_layout_case(norm_type, per_tensor, who_changes):
     """After a plan is cached, the ranks in ``who_changes`` have one gradient fewer (its ``grad`` is
     None). All ranks changing: a new plan, the right norm. Some ranks changing: the same error on
     every rank, never a wait."""
+    plans = nd.NormPlans()
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
     params = _sharded_parameters(mesh, {"p0": (8, 3), "p1": (4, 2), "p2": (5,)})
-    nd.grad_norms(params, norm_type, per_tensor=per_tensor)  # the plan, cached on every rank
+    nd.grad_norms(params, norm_type, per_tensor=per_tensor, plans=plans)  # the plan, cached on every rank
     if dist.get_rank() in who_changes:
         params[2][1].grad = None
     if len(who_changes) == dist.get_world_size():
-        return float(nd.grad_norms(params, norm_type, per_tensor=per_tensor).total)
+        return float(nd.grad_norms(params, norm_type, per_tensor=per_tensor, plans=plans).total)
     with pytest.raises(RuntimeError, match="different cached norm plans") as info:
-        nd.grad_norms(params, norm_type, per_tensor=per_tensor)
+        nd.grad_norms(params, norm_type, per_tensor=per_tensor, plans=plans)
     return str(info.value)
 
 
@@ -197,19 +199,20 @@ def test_a_rank_whose_gradient_set_changes_raises_everywhere_instead_of_hanging(
 
 
 def _recorded_mesh_case():
-    """The record of a norm's last all-reduce is keyed by the id of its pp mesh: while the record
-    stands, that mesh must stay alive, or a new mesh on one rank only could take its id, find the
-    stale record and probe (an all-reduce) while the other ranks exchange plans (a hang)."""
+    """The record of a norm's last all-reduce is kept per pp mesh: while the record stands, that
+    mesh must stay alive, or a new mesh on one rank only could take its id, find the stale record
+    and probe (an all-reduce) while the other ranks exchange plans (a hang)."""
     import gc
     import weakref
 
+    plans = nd.NormPlans()
     pp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     grads = [_full((3, 2), dist.get_rank())]
-    total = float(nd.get_total_norm(grads, 2.0, pp_mesh=pp_mesh))
+    total = float(nd.get_total_norm(grads, 2.0, pp_mesh=pp_mesh, plans=plans))
     gone = weakref.ref(pp_mesh)
     del pp_mesh
-    for n in range(1, nd.core.norm._plans.capacity + 2):  # other layouts evict its cached plan
-        nd.get_total_norm([torch.ones(n)], 2.0)
+    for n in range(1, plans.capacity + 2):  # other layouts evict its cached plan
+        nd.get_total_norm([torch.ones(n)], 2.0, plans=plans)
     gc.collect()
     return total, gone() is not None
 
@@ -380,22 +383,15 @@ def test_finite_gradients_whose_squares_overflow_float32_give_the_exact_norm(dty
 
 def _cycling_layouts_case(max_capacity):
     """40 layouts used in turn, as with one optimizer per layer: collectives per round of 40 calls."""
-    from lightning_ndclip.core import norm
-
-    norm._plans.clear()
-    norm._plans.capacity, norm._plans.max_capacity = 16, max_capacity
+    plans = nd.NormPlans(capacity=16, max_capacity=max_capacity)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
     layouts = [[distribute_tensor(_full((2, n), n), mesh, [Shard(0)])] for n in range(1, 41)]
     counts = []
-    try:
-        for _ in range(4):
-            with CommDebugMode() as comm:
-                for grads in layouts:
-                    nd.get_total_norm(grads)
-            counts.append(comm.get_total_counts())
-    finally:
-        norm._plans.clear()
-        norm._plans.capacity, norm._plans.max_capacity = 16, 4096
+    for _ in range(4):
+        with CommDebugMode() as comm:
+            for grads in layouts:
+                nd.get_total_norm(grads, plans=plans)
+        counts.append(comm.get_total_counts())
     return counts
 
 

@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from conftest import HAVE_LIGHTNING
+
 import lightning_ndclip
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,6 +25,10 @@ def test_version_is_the_same_in_pyproject_the_package_and_the_changelog():
 
 def test_every_name_in_all_is_importable():
     for name in lightning_ndclip.__all__:
+        if name in lightning_ndclip._LIGHTNING_NAMES and not HAVE_LIGHTNING:  # the core-only run
+            with pytest.raises(ImportError, match=rf"lightning_ndclip\.{name} needs .*lightning_ndclip\[lightning\]"):
+                getattr(lightning_ndclip, name)
+            continue
         assert getattr(lightning_ndclip, name) is not None, name
 
 

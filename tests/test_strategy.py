@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ndclip import GlobalNormClip, NDParallelStrategy, ParallelDims, count_valid_tokens
+from lightning_ndclip import GlobalNormClip, NDParallelStrategy, ParallelDims, ParallelPlan, count_valid_tokens
 
 
 @pytest.mark.parametrize(
@@ -385,8 +385,8 @@ def _declarative_case(dp_replicate: int, dp_shard: int, tp: int) -> dict:
     module = _PlainModule()
     plan = {"net.0": ColwiseParallel(), "net.2": RowwiseParallel()} if tp > 1 else None
     strategy = NDParallelStrategy(
-        dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, tp_plan=plan,
-        fsdp_units=(torch.nn.Linear,), activation_checkpointing=(torch.nn.Tanh,),
+        dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
+        plan=ParallelPlan(tp_plan=plan, fsdp_units=(torch.nn.Linear,), activation_checkpointing=(torch.nn.Tanh,)),
     )
     trainer = _trainer(strategy, devices=dp_replicate * dp_shard * tp, callbacks=[GlobalNormClip(0.3)], logger=recorder)
     trainer.fit(module)
@@ -406,7 +406,7 @@ def _unmatched_plan_case(argument: str) -> str:
         "fsdp_units": {"fsdp_units": (torch.nn.Linear, torch.nn.Conv2d)},
         "activation_checkpointing": {"activation_checkpointing": (torch.nn.Tanh, torch.nn.GRU)},
     }
-    strategy = NDParallelStrategy(tp=2, **{"fsdp_units": (torch.nn.Linear,), **plans[argument]})
+    strategy = NDParallelStrategy(tp=2, plan=ParallelPlan(**{"fsdp_units": (torch.nn.Linear,), **plans[argument]}))
     module = _PlainModule()
     before = {n: type(m) for n, m in module.named_modules()}
     with pytest.raises(ValueError) as info:
@@ -452,7 +452,8 @@ def _init_sync_case(init_sync: bool) -> dict:
         torch.manual_seed(100 + torch.distributed.get_rank())
         for p in module.parameters():
             torch.nn.init.normal_(p)
-    strategy = NDParallelStrategy(dp_replicate=2, dp_shard=2, fsdp_units=(torch.nn.Linear,), init_sync=init_sync)
+    plan = ParallelPlan(fsdp_units=(torch.nn.Linear,))
+    strategy = NDParallelStrategy(dp_replicate=2, dp_shard=2, plan=plan, init_sync=init_sync)
     _trainer(strategy, devices=4, callbacks=[GlobalNormClip(0.3)], logger=recorder).fit(module)
     return {
         "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m],
@@ -473,7 +474,7 @@ def test_init_sync_starts_hsdp_replicas_from_the_first_replica():
 
 def _both_ways_case() -> str:
     use_existing_process_group()
-    strategy = NDParallelStrategy(fsdp_units=(torch.nn.Linear,))
+    strategy = NDParallelStrategy(plan=ParallelPlan(fsdp_units=(torch.nn.Linear,)))
     with pytest.raises(ValueError) as info:
         _trainer(strategy, devices=1, logger=False).fit(MlpModule(tp=False))
     return str(info.value)
@@ -516,7 +517,7 @@ def _mp_policy_case() -> dict:
     module = _PlainModule()
     module.net.float()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    strategy = NDParallelStrategy(fsdp_units=(torch.nn.Linear,), mp_policy=policy)
+    strategy = NDParallelStrategy(plan=ParallelPlan(fsdp_units=(torch.nn.Linear,), mp_policy=policy))
     _trainer(strategy, devices=2, max_steps=2, callbacks=[GlobalNormClip(0.3)], logger=recorder).fit(module)
     return {
         "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m],

@@ -4,7 +4,7 @@ A ``transformers`` model ships its plan as strings: ``model.tp_plan``, e.g.
 ``{"model.layers.*.self_attn.q_proj": "colwise", ..., "lm_head": "colwise_gather_output"}``.
 :func:`hf_tp_plan` turns the plans of the models inside a module into the
 ``{module name: ParallelStyle}`` that :func:`torch.distributed.tensor.parallel.parallelize_module`
-(and :func:`lightning_ndclip.core.parallelism.parallelize`, ``NDParallelStrategy(tp_plan="auto")``) take.
+(and :func:`lightning_ndclip.core.parallelism.parallelize`, ``ParallelPlan(tp_plan="auto")``) take.
 
 Only the styles plain PyTorch expresses are mapped, each to the layouts ``transformers`` gives it:
 

@@ -35,6 +35,7 @@ __all__ = [
     "SampleWeights",
     "TokenCount",
     "count_valid_tokens",
+    "loss_share",
     "sample_ids_from_lengths",
     "sync_sample_weights",
     "sync_token_count",
@@ -71,33 +72,9 @@ class TokenCount:
     invalid: torch.Tensor | None = None
 
     def normalize(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """``loss_sum / N``: the local sum of per-token losses scaled to its share of the global
-        mean (zero, not NaN, when ``N == 0``; NaN when a count was invalid)."""
-        share = loss_sum / self.total.clamp(min=1).to(loss_sum.dtype)
-        return share if self.invalid is None else torch.where(self.invalid > 0, torch.nan, share)
-
-    def share(self, loss: torch.Tensor, local_tokens: torch.Tensor | None, reduction: str = "mean") -> torch.Tensor:
-        """This micro-batch's share of the global token mean, :math:`\\sum_{i\\ \text{local}} \\ell_i / N`,
-        from what a ``training_step`` returns:
-
-        * per-token losses (any non-scalar shape, ignored tokens 0, as ``cross_entropy(...,
-          reduction="none")`` gives them): summed;
-        * a scalar with ``reduction="mean"``: the mean over this micro-batch's ``local_tokens`` valid
-          tokens (``cross_entropy``'s default), times ``local_tokens`` (zero, not NaN, when it has none);
-        * a scalar with ``reduction="sum"``: the sum itself.
-        """
-        if loss.dim() > 0:
-            loss_sum = loss.sum()
-        elif reduction == "sum":
-            loss_sum = loss
-        elif reduction == "mean":
-            if local_tokens is None:
-                raise ValueError("a mean loss needs its micro-batch's token count to become a share of the global mean")
-            count = local_tokens.to(device=loss.device)
-            loss_sum = torch.where(count > 0, loss * count.to(loss.dtype), torch.zeros_like(loss))
-        else:
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        return self.normalize(loss_sum)
+        """``loss_sum / N``: the local sum of per-token losses scaled to its share of the global mean
+        (zero, not NaN, when ``N == 0``; NaN when a count was invalid). See :func:`loss_share`."""
+        return loss_share(loss_sum, self, reduction="sum")
 
 
 def _invalid_counts(counts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -149,6 +126,67 @@ def sync_token_count(
     return TokenCount(total=total, empty=total == 0, invalid=invalid)
 
 
+def loss_share(
+    loss: torch.Tensor,
+    normalization: TokenCount | torch.Tensor,
+    *,
+    local_tokens: torch.Tensor | None = None,
+    reduction: str = "sum",
+    source: str = "the loss",
+) -> torch.Tensor:
+    r"""This micro-batch's share of the global mean: the one place a loss is scaled (the strategy,
+    its pipeline glue and :meth:`TokenCount.normalize` / :meth:`SampleWeights.normalize` all call it).
+
+    With a :class:`TokenCount` (global token mean), the share is :math:`\sum_{i\ \text{local}} \ell_i / N`,
+    the local sum read off ``loss``:
+
+    * per-token losses (any non-scalar shape, ignored tokens 0, as ``cross_entropy(...,
+      reduction="none")`` gives them): summed;
+    * a scalar with ``reduction="sum"``: the sum itself;
+    * a scalar with ``reduction="mean"``: the mean over the micro-batch's ``local_tokens`` valid
+      tokens (``cross_entropy``'s default), times ``local_tokens`` (zero, not NaN, when it has none).
+      Without ``local_tokens`` (where the micro-batch's own count is unknown) a mean is refused.
+
+    With per-token weights (a tensor, one micro-batch's entry of :attr:`SampleWeights.weights`:
+    the hierarchical mean), the share is :math:`\sum_i w_i \ell_i`; ``loss`` must hold the per-token
+    losses, shaped like the weights.
+
+    Args:
+        loss: what the user's loss function returned for this micro-batch.
+        normalization: the step's :class:`TokenCount`, or this micro-batch's per-token weights.
+        local_tokens: this micro-batch's valid tokens (needed only for a scalar mean).
+        reduction: ``"mean"`` or ``"sum"``: what a scalar ``loss`` is.
+        source: what returned ``loss``, for error messages (e.g. ``"training_step"``).
+
+    Raises:
+        ValueError: naming ``source``, for a loss that cannot be scaled exactly.
+    """
+    if isinstance(normalization, torch.Tensor):
+        if loss.shape != normalization.shape:
+            raise ValueError(
+                f"with loss_normalization='sample_mean', {source} must return per-token losses shaped like the "
+                f"micro-batch's sample ids {tuple(normalization.shape)}, got {tuple(loss.shape)}"
+            )
+        return (loss * normalization.to(loss.dtype)).sum()
+    if loss.dim() > 0:
+        loss_sum = loss.sum()
+    elif reduction == "sum":
+        loss_sum = loss
+    elif reduction != "mean":
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    elif local_tokens is None:
+        raise ValueError(
+            f"with loss_normalization='token_mean', {source} must return per-token losses (e.g. cross_entropy(..., "
+            "reduction='none')) or, with NDParallelStrategy(loss_reduction='sum'), their sum: its mean cannot be "
+            "weighted by its tokens"
+        )
+    else:
+        count = local_tokens.to(device=loss.device)
+        loss_sum = torch.where(count > 0, loss * count.to(loss.dtype), torch.zeros_like(loss))
+    share = loss_sum / normalization.total.clamp(min=1).to(loss_sum.dtype)
+    return share if normalization.invalid is None else torch.where(normalization.invalid > 0, torch.nan, share)
+
+
 def sample_ids_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     """Per-token sample ids ``0, 0, 1, 1, 1, ...`` of a packed row from its samples' lengths."""
     return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
@@ -176,8 +214,8 @@ class SampleWeights:
 
     def normalize(self, token_losses: torch.Tensor, micro_batch: int = 0) -> torch.Tensor:
         """:math:`\\sum_i w_i \\ell_i` for one micro-batch: its share of the global hierarchical
-        mean (``token_losses`` shaped like that micro-batch's ``sample_ids``)."""
-        return (token_losses * self.weights[micro_batch].to(token_losses.dtype)).sum()
+        mean (``token_losses`` shaped like that micro-batch's ``sample_ids``). See :func:`loss_share`."""
+        return loss_share(token_losses, self.weights[micro_batch])
 
 
 def _bin_tokens(ids: torch.Tensor, mask: torch.Tensor, num_samples: int) -> torch.Tensor:

@@ -14,7 +14,8 @@ nothing moves between host and device: the norm and the clip coefficient stay de
 
 The functions mirror :func:`torch.nn.utils.get_total_norm`, :func:`torch.nn.utils.clip_grad_norm_`
 and :func:`torch.nn.utils.clip_grads_with_norm_`, and accept the same arguments, plus keyword-only
-ones for what a single device does not need (pipeline mesh, tied parameters, process group).
+ones for what a single device does not need (pipeline mesh, tied parameters, process group) and for
+the caches they keep (:class:`NormPlans`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from lightning_ndclip.core._layout import dim0_padding
 from lightning_ndclip.core._norm_plan import NormPlan, NormPlanError, build_plan
 from lightning_ndclip.core._runs import RunFinder
 
-__all__ = ["GradNorms", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norms"]
+__all__ = ["GradNorms", "NormPlans", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norms"]
 
 T = TypeVar("T")
 _EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_
@@ -70,6 +71,7 @@ class GradNorms:
         device tensor (``nan`` when the total is)."""
         return _clip_coef(max_norm, self.total)
 
+    @torch.no_grad()
     def clip_(self, max_norm: float, foreach: bool | None = None) -> torch.Tensor:
         r"""Scale the gradients these norms were computed from by :math:`\min(1, \text{max\_norm} /
         (\text{total} + 10^{-6}))`, as :func:`clip_grads_with_norm_` would, without reading the
@@ -89,7 +91,7 @@ class GradNorms:
 @dataclass
 class _CachedPlan:
     plan: NormPlan
-    keep_alive: tuple
+    specs: tuple  # the DTensor specs whose ids the plan key holds, kept alive with the entry (see _layout_key)
     padding: tuple[int, ...]  # per tensor, FSDP padding after its local piece (see runs.py)
     finder: RunFinder = field(default_factory=RunFinder)
     constants: dict = field(default_factory=dict)  # device tensors made once (no per-call copies)
@@ -109,9 +111,66 @@ class _CachedPlan:
         return self.constants[full_key]
 
 
-_plans: GrowingLRU[_CachedPlan] = GrowingLRU()
-# for clip_grads_with_norm_, by layout: a finder, the padding and the specs whose ids the key holds
-_scale_finders: GrowingLRU[tuple[RunFinder, tuple[int, ...], tuple]] = GrowingLRU()
+class NormPlans:
+    """The caches of the norm functions, for as long as this object lives.
+
+    It keeps, per gradient layout, the plan every rank agreed on (made by a collective exchange on
+    first use) and the contiguous runs of the gradients; and, per pipeline mesh, process group and
+    kind of norm, the size of the last all-reduce. Entries last until :meth:`clear`, until their
+    layout is among the least recently used beyond ``capacity``, or until this object is garbage;
+    they hold the meshes, process groups and DTensor specs they were made for alive. Every rank of
+    the process group must make the same norm calls with its instance, in the same order, so that
+    all ranks find or miss a plan together. ``len(plans)`` is the number of plans kept.
+
+    The functions of this module take one as ``plans=``; with ``None`` they share a module-level
+    default instance that lives as long as the process. An owner with a shorter life (a training
+    run, a test) passes its own.
+
+    Args:
+        capacity: how many layouts are kept at first; it doubles, up to ``max_capacity``, whenever
+            a dropped layout comes back (a cycle of more layouts than it holds).
+        max_capacity: the most layouts kept.
+    """
+
+    def __init__(self, capacity: int = 16, max_capacity: int = 4096) -> None:
+        self._plans: GrowingLRU[_CachedPlan] = GrowingLRU(capacity, max_capacity)
+        # for clip_grads_with_norm_, by layout: a finder, the padding and the specs whose ids the key holds
+        self._scale_finders: GrowingLRU[tuple[RunFinder, tuple[int, ...], tuple]] = GrowingLRU(capacity, max_capacity)
+        # per (pp mesh, group, inf norm, per-tensor) context: the size of its last all-reduce, for _probe.
+        # Keyed by the mesh and group themselves: an id could be taken by a new object on one rank
+        # only, which would find a stale record and probe (an all-reduce) while the others exchange.
+        self._last_buffer_size: dict[tuple, int] = {}
+
+    @property
+    def capacity(self) -> int:
+        """How many layouts' plans are kept now."""
+        return self._plans.capacity
+
+    @property
+    def max_capacity(self) -> int:
+        """The most layouts' plans ever kept."""
+        return self._plans.max_capacity
+
+    def counted(self) -> tuple[bool, ...] | None:
+        """For diagnostics: per tensor of the most recently used plan, in the order they were
+        passed, whether this rank adds its local piece to the global norm (a piece held by several
+        ranks counts on one of them only); ``None`` when no plan is kept."""
+        entries = self._plans.values()
+        return entries[-1].plan.counted if entries else None
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        self._plans.clear()
+        self._scale_finders.clear()
+        self._last_buffer_size.clear()
+
+    def __len__(self) -> int:
+        """The number of plans kept."""
+        return len(self._plans)
+
+
+_default_plans = NormPlans()
+"""The caches of every call that passes ``plans=None``."""
 
 
 def _locals(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -119,8 +178,9 @@ def _locals(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _layout_key(tensors: Sequence[torch.Tensor]) -> tuple:
-    """Identifies a layout cheaply: DTensor specs by identity (the cache keeps them alive), plain
-    tensors by shape and dtype."""
+    """Identifies a layout cheaply: DTensor specs by ``id``, which is sound only while the cache entry
+    under the key holds the specs alive (``_specs``), so that no new spec can take one of those ids;
+    plain tensors by shape and dtype."""
     return tuple([id(dtensor_spec(t)) if isinstance(t, DTensor) else (t.shape, t.dtype) for t in tensors])
 
 
@@ -131,16 +191,20 @@ def _plan_key(
     pp_mesh: DeviceMesh | None,
     group: dist.ProcessGroup | None,
 ) -> tuple:
+    """The key of a plan. It holds the mesh and the group themselves, not their ids (which a new object
+    could take): a ``DeviceMesh`` hashes and compares by its ranks and dim names (an equal mesh has
+    an equal plan), a ``ProcessGroup`` by identity."""
     return (
         _layout_key(grads),
         None if names is None else tuple(names),
         None if tie_keys is None else tuple(tie_keys),
-        id(pp_mesh),
-        id(group),
+        pp_mesh,
+        group,
     )
 
 
 def _cached_plan(
+    plans: NormPlans,
     grads: Sequence[torch.Tensor],
     names: Sequence[str] | None,
     tie_keys: Sequence[str | None] | None,
@@ -156,11 +220,11 @@ def _cached_plan(
     rank see the disagreement and go to the exchange too, instead of leaving them waiting."""
 
     def make() -> _CachedPlan:
-        record = _last_buffer_size.get(context)
-        everyone = record is None or _probe(record[0], context[2], group, grads)
+        size = plans._last_buffer_size.get(context)
+        everyone = size is None or _probe(size, context[2], group, grads)
         return _exchange(grads, names, tie_keys, pp_mesh, group, diverged=not everyone)
 
-    return _plans.get(_plan_key(grads, names, tie_keys, pp_mesh, group), make)
+    return plans._plans.get(_plan_key(grads, names, tie_keys, pp_mesh, group), make)
 
 
 def _exchange(
@@ -189,7 +253,7 @@ def _exchange(
             "ranks used different cached norm plans in the same call (their gradient layouts diverged after "
             f"agreeing earlier); every rank of a stage must pass gradients of the same layout: {error}"
         ) from error
-    return _CachedPlan(plan, keep_alive=(_specs(grads), pp_mesh, group), padding=_padding(grads))
+    return _CachedPlan(plan, specs=_specs(grads), padding=_padding(grads))
 
 
 _PROBE_MARK = float(2**55)  # above any plan fingerprint (< 2**52), so no sum or max of them equals it
@@ -216,13 +280,6 @@ def _probe(size: int, is_inf: bool, group: dist.ProcessGroup | None, grads: Sequ
             "theirs (their norm is nan this step); every rank of a stage must pass gradients of the same layout"
         )
     return everyone  # on CPU the ranks that hit saw the marker and come to the exchange as well
-
-
-_last_buffer_size: dict[tuple, tuple[int, tuple]] = {}
-"""Per (id of pp mesh, id of group, inf norm, per-tensor) context: the size of the last all-reduce
-(for :func:`_probe`) and objects that hold the mesh and group alive. Holding them keeps their ids from being
-reused by new objects: a stale record found on one rank only would send it to the probe's
-all-reduce while the others go to the exchange, a hang."""
 
 
 class _PlansDiffer(Exception):
@@ -335,34 +392,37 @@ def _global_norm(
     norm_type: float,
     *,
     per_tensor: bool,
+    error_if_nonfinite: bool,
     foreach: bool | None,
     pp_mesh: DeviceMesh | None,
     group: dist.ProcessGroup | None,
     accumulate_dtype: torch.dtype | None,
-    retry_overflow: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, NormPlan, list[torch.Tensor]]:
-    """The core: returns (total norm, per-slot norms or None, plan, local tensors to scale).
+    retry_overflow: bool | None,
+    plans: NormPlans | None,
+) -> GradNorms:
+    """The one call path of :func:`get_total_norm`, :func:`clip_grad_norm_` and :func:`grad_norms`.
 
     A p-norm accumulated in float32 overflows once elements pass about 1.8e19 (their squares pass
     float32's range) while the norm itself is far inside it. Accumulating in float64 always cost
     4-16x on CPU (``benchmarks/results/local_norm_cpu_2_threads.md``), so instead a non-finite total
     is computed again in float64 (every rank sees the same total, so all do): with ``retry_overflow``,
-    or by default where reading the total costs no device sync (CPU)."""
+    or by default where reading the total costs no device sync (CPU, or ``error_if_nonfinite``)."""
     norm_type = float(norm_type)
     if not (norm_type > 0):
         raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}")
+    plans = _default_plans if plans is None else plans
     is_inf = math.isinf(norm_type)
-    context = (id(pp_mesh), id(group), is_inf, per_tensor)
-    entry = _cached_plan(grads, names, tie_keys, pp_mesh, group, context)
+    context = (pp_mesh, group, is_inf, per_tensor)
+    entry = _cached_plan(plans, grads, names, tie_keys, pp_mesh, group, context)
 
     def norm_with(acc: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None, NormPlan, list[torch.Tensor]]:
-        return _norm_with(entry, grads, norm_type, is_inf, context, per_tensor, foreach, acc)
+        return _norm_with(entry, grads, norm_type, is_inf, plans, context, per_tensor, foreach, acc)
 
     try:
         result = norm_with(accumulate_dtype)
     except _PlansDiffer:  # some rank's plan differs or it had none: agree on one (or all raise), once
         entry = _exchange(grads, names, tie_keys, pp_mesh, group, diverged=True)
-        _plans.put(_plan_key(grads, names, tie_keys, pp_mesh, group), entry)
+        plans._plans.put(_plan_key(grads, names, tie_keys, pp_mesh, group), entry)
         try:
             result = norm_with(accumulate_dtype)
         except _PlansDiffer:
@@ -372,11 +432,13 @@ def _global_norm(
             ) from None
     total, per_slot, plan, to_scale = result
     if retry_overflow is None:
-        retry_overflow = total.device.type == "cpu"
+        retry_overflow = error_if_nonfinite or total.device.type == "cpu"
     if retry_overflow and not is_inf and total.dtype != torch.float64 and not bool(torch.isfinite(total)):
         total64, per_slot64, _, _ = norm_with(torch.float64)
         total, per_slot = total64.to(total.dtype), None if per_slot64 is None else per_slot64.to(total.dtype)
-    return total, per_slot, plan, to_scale
+    if error_if_nonfinite:
+        _raise_if_nonfinite(total, norm_type)
+    return GradNorms(total=total, per_tensor=per_slot, names=plan.slot_names, _to_scale=tuple(to_scale))
 
 
 def _norm_with(
@@ -384,13 +446,15 @@ def _norm_with(
     grads: Sequence[torch.Tensor],
     norm_type: float,
     is_inf: bool,
+    plans: NormPlans,
     context: tuple,
     per_tensor: bool,
     foreach: bool | None,
     accumulate_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, NormPlan, list[torch.Tensor]]:
-    """:func:`_global_norm` with a given plan; raises :class:`_PlansDiffer` when the ranks' plans
-    turn out to differ (on CPU, where that is read without a device sync)."""
+    """The norm with a given plan: (total, per-slot norms or ``None``, plan, local tensors to scale).
+    Raises :class:`_PlansDiffer` when the ranks' plans turn out to differ (on CPU, where that is read
+    without a device sync)."""
     plan = entry.plan
     locals_ = _locals(grads)
     runs = entry.finder.runs(locals_, plan.counted, entry.padding)
@@ -424,7 +488,7 @@ def _norm_with(
     if plan.needs_collective:
         local, per_slot = _all_reduce(local, per_slot, is_inf, plan, entry, device)
         size = (4 if is_inf else 2) + (0 if per_slot is None else per_slot.numel())
-        _last_buffer_size[context] = (size, entry.keep_alive)  # which holds the context's mesh and group
+        plans._last_buffer_size[context] = size
 
     total = local if is_inf else local.pow(1.0 / norm_type)
     if per_slot is not None and not is_inf:
@@ -457,6 +521,7 @@ def _tie_keys(
     return keys
 
 
+@torch.no_grad()
 def get_total_norm(
     tensors: torch.Tensor | Iterable[torch.Tensor],
     norm_type: float = 2.0,
@@ -468,6 +533,7 @@ def get_total_norm(
     process_group: dist.ProcessGroup | None = None,
     accumulate_dtype: torch.dtype | None = None,
     retry_overflow: bool | None = None,
+    plans: NormPlans | None = None,
 ) -> torch.Tensor:
     r"""The exact global norm of ``tensors`` (usually gradients) over every rank that holds part of them.
 
@@ -499,6 +565,8 @@ def get_total_norm(
             overflows for elements above about 1.8e19 although the norm fits. Reads the total on
             the host. ``None`` (default): where that is free, on CPU, or with ``error_if_nonfinite``;
             on accelerators the plain call never syncs, and an overflowed total stays ``inf``.
+        plans: the caches of plans to use (see :class:`NormPlans`); ``None``: the module-level default
+            instance, shared by every call that passes none, for the life of the process.
 
     Returns:
         The total norm, a 0-dim tensor of ``accumulate_dtype``, identical on every rank.
@@ -508,21 +576,20 @@ def get_total_norm(
             ranks of one stage passing different tensors, or inconsistent meshes.
     """
     tensors = _as_tensor_list(tensors)
-    total, _, _, _ = _global_norm(
+    return _global_norm(
         tensors,
         None,
         _tie_keys(tensors, tied, "tensors"),
         norm_type,
         per_tensor=False,
+        error_if_nonfinite=error_if_nonfinite,
         foreach=foreach,
         pp_mesh=pp_mesh,
         group=process_group,
         accumulate_dtype=accumulate_dtype,
-        retry_overflow=(error_if_nonfinite or None) if retry_overflow is None else retry_overflow,
-    )
-    if error_if_nonfinite:
-        _raise_if_nonfinite(total, norm_type)
-    return total
+        retry_overflow=retry_overflow,
+        plans=plans,
+    ).total
 
 
 def _scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool | None) -> None:
@@ -535,9 +602,9 @@ def _scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool |
                 t.mul_(c)
 
 
-def _scale_runs(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _scale_runs(grads: Sequence[torch.Tensor], plans: NormPlans) -> list[torch.Tensor]:
     """The contiguous runs covering every local element of ``grads`` (see :mod:`lightning_ndclip.core._runs`)."""
-    finder, padding, _ = _scale_finders.get(_layout_key(grads), lambda: (RunFinder(), _padding(grads), _specs(grads)))
+    finder, padding, _ = plans._scale_finders.get(_layout_key(grads), lambda: (RunFinder(), _padding(grads), _specs(grads)))
     return finder.runs(_locals(grads), [True] * len(grads), padding).to_scale
 
 
@@ -545,20 +612,24 @@ def _clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
     return torch.clamp(float(max_norm) / (total_norm + _EPS), max=1.0)
 
 
+@torch.no_grad()
 def clip_grads_with_norm_(
     parameters: torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,
     total_norm: torch.Tensor,
     foreach: bool | None = None,
+    *,
+    plans: NormPlans | None = None,
 ) -> None:
     r"""Scale the gradients of ``parameters`` by :math:`\min(1, \text{max\_norm} / (\text{total\_norm} + 10^{-6}))`.
 
     Like :func:`torch.nn.utils.clip_grads_with_norm_`; purely local (no collective), and works on the
     local shards of DTensor gradients. ``total_norm`` must be the global norm, e.g. from
-    :func:`get_total_norm`. The coefficient stays on the device.
+    :func:`get_total_norm`. The coefficient stays on the device. ``plans``: as in
+    :func:`get_total_norm` (it caches the runs of each layout).
     """
     grads = [g for g in _read_grads(_as_tensor_list(parameters)) if g is not None]
-    _scale_(_scale_runs(grads), _clip_coef(max_norm, total_norm), foreach)
+    _scale_(_scale_runs(grads, _default_plans if plans is None else plans), _clip_coef(max_norm, total_norm), foreach)
 
 
 def _read_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -575,6 +646,7 @@ def _with_grads(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[to
     return [p for p, _ in kept], [g for _, g in kept]
 
 
+@torch.no_grad()
 def clip_grad_norm_(
     parameters: torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,
@@ -587,6 +659,7 @@ def clip_grad_norm_(
     process_group: dist.ProcessGroup | None = None,
     accumulate_dtype: torch.dtype | None = None,
     retry_overflow: bool | None = None,
+    plans: NormPlans | None = None,
 ) -> torch.Tensor:
     r"""Clip the gradients of ``parameters`` to a global norm of at most ``max_norm``, exactly.
 
@@ -599,8 +672,8 @@ def clip_grad_norm_(
     Args:
         parameters: a tensor or an iterable of tensors whose gradients are clipped.
         max_norm: the maximum global norm.
-        norm_type, error_if_nonfinite, foreach, pp_mesh, process_group, accumulate_dtype, retry_overflow: as in
-            :func:`get_total_norm`.
+        norm_type, error_if_nonfinite, foreach, pp_mesh, process_group, accumulate_dtype, retry_overflow, plans: as
+            in :func:`get_total_norm`.
         tied_parameters: ``{key: parameter}`` for parameters held by several pipeline stages as one
             logical parameter, gradients already summed over the holders; counted once.
 
@@ -608,24 +681,25 @@ def clip_grad_norm_(
         The **pre-clip** total norm, a 0-dim tensor identical on every rank.
     """
     params, grads = _with_grads(_as_tensor_list(parameters))
-    total, _, _, to_scale = _global_norm(
+    norms = _global_norm(
         grads,
         None,
         _tie_keys(params, tied_parameters, "parameters"),
         norm_type,
         per_tensor=False,
+        error_if_nonfinite=error_if_nonfinite,
         foreach=foreach,
         pp_mesh=pp_mesh,
         group=process_group,
         accumulate_dtype=accumulate_dtype,
-        retry_overflow=(error_if_nonfinite or None) if retry_overflow is None else retry_overflow,
+        retry_overflow=retry_overflow,
+        plans=plans,
     )
-    if error_if_nonfinite:
-        _raise_if_nonfinite(total, norm_type)
-    _scale_(to_scale, _clip_coef(max_norm, total), foreach)
-    return total
+    norms.clip_(max_norm, foreach)
+    return norms.total
 
 
+@torch.no_grad()
 def grad_norms(
     named_parameters: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module,
     norm_type: float = 2.0,
@@ -637,6 +711,7 @@ def grad_norms(
     process_group: dist.ProcessGroup | None = None,
     accumulate_dtype: torch.dtype | None = None,
     retry_overflow: bool | None = None,
+    plans: NormPlans | None = None,
 ) -> GradNorms:
     """The exact global norm and, from the same single all-reduce, the exact global norm of every
     parameter world-wide (all pipeline stages), for logging.
@@ -645,8 +720,8 @@ def grad_norms(
         named_parameters: ``(name, parameter)`` pairs, or a module (its ``named_parameters()``).
         per_tensor: also return the per-parameter norms (costs one extra local pass over the
             gradients instead of the coalesced one, and a slot per parameter in the all-reduce).
-        norm_type, foreach, pp_mesh, tied_parameters, process_group, accumulate_dtype, retry_overflow: as in
-            :func:`clip_grad_norm_` (``None``: on CPU only).
+        norm_type, foreach, pp_mesh, tied_parameters, process_group, accumulate_dtype, retry_overflow, plans: as
+            in :func:`clip_grad_norm_` (``retry_overflow=None``: on CPU only).
     """
     if isinstance(named_parameters, torch.nn.Module):
         named_parameters = named_parameters.named_parameters()
@@ -654,16 +729,17 @@ def grad_norms(
     grads = _read_grads([p for _, p in pairs])
     kept = [(n, p, g) for (n, p), g in zip(pairs, grads) if g is not None]
     params = [p for _, p, _ in kept]
-    total, per_slot, plan, to_scale = _global_norm(
+    return _global_norm(
         [g for _, _, g in kept],
         [n for n, _, _ in kept],
         _tie_keys(params, tied_parameters, "parameters"),
         norm_type,
         per_tensor=per_tensor,
+        error_if_nonfinite=False,
         foreach=foreach,
         pp_mesh=pp_mesh,
         group=process_group,
         accumulate_dtype=accumulate_dtype,
         retry_overflow=retry_overflow,
+        plans=plans,
     )
-    return GradNorms(total=total, per_tensor=per_slot, names=plan.slot_names, _to_scale=tuple(to_scale))

@@ -1,12 +1,14 @@
 """Declarative parallelization: tensor parallel, activation checkpointing and FSDP2 from arguments.
 
-A plain function, readable top to bottom, that :class:`~lightning_ndclip.NDParallelStrategy`
-applies when it is given a plan instead of a ``configure_model`` hook. Usable without Lightning.
+A plain function, readable top to bottom, and the plan object that holds its arguments, which
+:class:`~lightning_ndclip.NDParallelStrategy` applies when it is given one (``plan=``) instead of a
+``configure_model`` hook. Usable without Lightning.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, Literal
 
@@ -17,7 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from lightning_ndclip._compat import checkpoint_wrapper
 from lightning_ndclip.core.mesh import ParallelMeshes
 
-__all__ = ["parallelize"]
+__all__ = ["ParallelPlan", "parallelize"]
 
 
 def _replace_children(module: nn.Module, classes: tuple[type[nn.Module], ...]) -> None:
@@ -111,3 +113,35 @@ def parallelize(
     for root in [module] if root_units is None else root_units:
         fully_shard(root, **fsdp_kwargs)
     return module
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What :func:`parallelize` applies, as one object: ``NDParallelStrategy(plan=ParallelPlan(...))``
+    parallelizes a LightningModule that has no ``configure_model``. The fields are
+    :func:`parallelize`'s arguments of the same names; an empty plan (the default) applies nothing."""
+
+    tp_plan: Mapping[str, ParallelStyle] | Literal["auto"] | None = None
+    fsdp_units: Sequence[type[nn.Module]] = ()
+    activation_checkpointing: Sequence[type[nn.Module]] = ()
+    mp_policy: MixedPrecisionPolicy | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fsdp_units", tuple(self.fsdp_units))
+        object.__setattr__(self, "activation_checkpointing", tuple(self.activation_checkpointing))
+
+    def __bool__(self) -> bool:
+        """Whether the plan applies anything."""
+        return bool(self.tp_plan or self.fsdp_units or self.activation_checkpointing or self.mp_policy)
+
+    def apply(self, module: nn.Module, meshes: ParallelMeshes, *, root_units: Sequence[nn.Module] | None = None) -> nn.Module:
+        """:func:`parallelize` ``module`` with this plan."""
+        return parallelize(
+            module,
+            meshes,
+            tp_plan=self.tp_plan,
+            fsdp_units=self.fsdp_units,
+            activation_checkpointing=self.activation_checkpointing,
+            mp_policy=self.mp_policy,
+            root_units=root_units,
+        )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ from torch.distributed.pipelining.schedules import (
 
 __all__ = [
     "SCHEDULES",
+    "PipelineOptions",
     "build_pipeline",
     "model_units",
     "schedule_stages",
@@ -55,6 +57,42 @@ SCHEDULES: dict[str, type] = {
     "looped_bfs": ScheduleLoopedBFS,
 }
 """Schedule names accepted by :func:`build_pipeline` (the last two run several stages per rank)."""
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How ``NDParallelStrategy(pp > 1, pipeline=PipelineOptions(...))`` builds and runs its pipeline.
+
+    Attributes:
+        split_points: the units (see :func:`model_units`) that start stages 1, 2, ...:
+            ``pp x stages_per_rank - 1`` of them. Empty: the LightningModule's ``configure_model``
+            builds the stages itself, setting ``module`` to an ``nn.ModuleDict`` ``{str(global stage
+            index): parallelized stage}`` of this rank's stages.
+        schedule: a name of :data:`SCHEDULES`.
+        microbatches: micro-batches per batch; ``None``: the number of stages.
+        stages_per_rank: virtual stages per rank (for the interleaved / looped schedules).
+        module: the LightningModule attribute holding the model to split.
+        tied_parameters: groups of parameter names (as in the unsplit model) that are one parameter
+            held by several stages, e.g. ``[("embed.weight", "head.weight")]``: their gradients are
+            summed over the holding stages after each window and counted once by the norm.
+    """
+
+    split_points: Sequence[str] = ()
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    stages_per_rank: int = 1
+    module: str = "model"
+    tied_parameters: Sequence[Sequence[str]] = ()
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"PipelineOptions(schedule={self.schedule!r}): choose one of {sorted(SCHEDULES)}")
+        for name in ("stages_per_rank", "microbatches"):
+            value = getattr(self, name)
+            if not (value is None and name == "microbatches") and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"PipelineOptions({name}={value!r}): must be a positive int")
+        object.__setattr__(self, "split_points", tuple(self.split_points))
+        object.__setattr__(self, "tied_parameters", tuple(tuple(group) for group in self.tied_parameters))
 
 
 def model_units(model: nn.Module) -> list[str]:

@@ -11,9 +11,8 @@ between), and sums the gradients of parameters tied across stages once a window 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -23,10 +22,11 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_ndclip._compat import tree_leaves
-from lightning_ndclip.core.loss import TokenCount
+from lightning_ndclip.core.loss import TokenCount, loss_share
 from lightning_ndclip.core.mesh import ParallelMeshes
-from lightning_ndclip.core.parallelism import parallelize
+from lightning_ndclip.core.parallelism import ParallelPlan
 from lightning_ndclip.core.pipeline import (
+    PipelineOptions,
     build_pipeline,
     model_units,
     schedule_stages,
@@ -35,19 +35,7 @@ from lightning_ndclip.core.pipeline import (
     tie_gradients,
 )
 
-__all__ = ["PipelineConfig", "PipelineRunner"]
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    """The pipeline arguments of :class:`~lightning_ndclip.NDParallelStrategy` (``pp_*``)."""
-
-    split_points: tuple[str, ...]
-    schedule: str
-    stages_per_rank: int
-    n_microbatches: int
-    module: str
-    tied: tuple[tuple[str, ...], ...]
+__all__ = ["PipelineRunner"]
 
 
 class _PipelineStages(nn.ModuleList):
@@ -63,8 +51,9 @@ class _PipelineStages(nn.ModuleList):
 class PipelineRunner:
     """Builds, schedules and runs this rank's pipeline stages for the strategy."""
 
-    def __init__(self, config: PipelineConfig, device: torch.device) -> None:
+    def __init__(self, config: PipelineOptions, microbatches: int, device: torch.device) -> None:
         self.config = config
+        self.microbatches = microbatches  # config.microbatches, or its default: the number of stages
         self.device = device
         self.meshes: ParallelMeshes | None = None
         self.schedule: Any = None  # a torch.distributed.pipelining schedule, once set up
@@ -94,30 +83,30 @@ class PipelineRunner:
             raise RuntimeError("the pipeline is not set up yet")
         return self.meshes
 
-    def check(self, module: pl.LightningModule, plan: Mapping[str, Any]) -> None:
+    def check(self, module: pl.LightningModule, plan: ParallelPlan) -> None:
         """Before any collective: the pipeline arguments and ``module`` fit one of the two ways (the
         strategy splits ``config.module``, or the module's ``configure_model`` builds the stages)."""
         config = self.config
         if is_overridden("configure_model", module):
-            if config.split_points or config.tied or any(plan.values()):
+            if config.split_points or config.tied_parameters or plan:
                 raise ValueError(
                     f"{type(module).__name__} overrides configure_model() (building its own stages) and "
-                    "NDParallelStrategy got pp_split_points / pp_tied_parameters / a declarative plan: use one way"
+                    "NDParallelStrategy got PipelineOptions(split_points / tied_parameters) or a plan: use one way"
                 )
             return
         model = getattr(module, config.module, None)
         if not isinstance(model, nn.Module):
-            raise ValueError(f"pp_module={config.module!r}: the LightningModule has no submodule of that name")
+            raise ValueError(f"PipelineOptions(module={config.module!r}): the LightningModule has no submodule of that name")
         if not isinstance(model, _PipelineStages):  # (an earlier Trainer's cut was checked then)
             names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-            for tie in config.tied:
+            for tie in config.tied_parameters:
                 if unknown := [n for n in tie if n not in names]:
                     raise ValueError(
-                        f"pp_tied_parameters entry {list(tie)}: {unknown} is not a parameter name of "
+                        f"PipelineOptions(tied_parameters) entry {list(tie)}: {unknown} is not a parameter name of "
                         f"{config.module} (names are relative to it, e.g. {sorted(names)[:3]})"
                     )
 
-    def setup(self, module: pl.LightningModule, meshes: ParallelMeshes, plan: Mapping[str, Any]) -> None:
+    def setup(self, module: pl.LightningModule, meshes: ParallelMeshes, plan: ParallelPlan) -> None:
         """Cut ``module``'s ``config.module`` into this rank's stages, parallelize each (``plan``: the
         strategy's declarative plan, else the module's ``parallelize_stage(stage)``, else one
         ``fully_shard`` per stage) and build the schedule; or schedule the stages the module's own
@@ -134,31 +123,31 @@ class PipelineRunner:
         if isinstance(model, _PipelineStages):  # cut by an earlier Trainer's strategy
             stages: list[nn.Module] = list(model)
             self.schedule = self._schedule(dict(zip(model.indices, stages)))
-            self._ties = [self._tie_group(names, stages, model.units) for names in config.tied]
+            self._ties = [self._tie_group(names, stages, model.units) for names in config.tied_parameters]
             return
         units = model_units(model)
         hook = getattr(module, "parallelize_stage", None)
 
         def parallelize_stage(stage: nn.Module) -> None:
-            if callable(hook) and not any(plan.values()):
+            if callable(hook) and not plan:
                 hook(stage)
             else:  # the plan, or at least one FSDP2 unit per stage (DTensor parameters: checkpoints)
-                parallelize(stage, meshes, **plan)
+                plan.apply(stage, meshes)
 
         self.schedule, stages = build_pipeline(
-            model, meshes["pp"], config.split_points, n_microbatches=config.n_microbatches,
+            model, meshes["pp"], config.split_points, n_microbatches=self.microbatches,
             loss_fn=self._loss, schedule=config.schedule, stages_per_rank=config.stages_per_rank,
             parallelize_fn=parallelize_stage, device=self.device,
         )  # fmt: skip
         rank = meshes["pp"].get_local_rank()
         indices = [rank + k * self.pp for k in range(config.stages_per_rank)]
         setattr(module, config.module, _PipelineStages(stages, indices, units))
-        self._ties = [self._tie_group(names, stages, units) for names in config.tied]
+        self._ties = [self._tie_group(names, stages, units) for names in config.tied_parameters]
 
     def _schedule(self, stages: dict[int, nn.Module]) -> Any:
         config = self.config
         return schedule_stages(
-            stages, self.pp * config.stages_per_rank, self._meshes["pp"], n_microbatches=config.n_microbatches,
+            stages, self.pp * config.stages_per_rank, self._meshes["pp"], n_microbatches=self.microbatches,
             loss_fn=self._loss, schedule=config.schedule, device=self.device,
         )  # fmt: skip
 
@@ -183,7 +172,7 @@ class PipelineRunner:
         per_stage = stage_units_of(units, config.split_points, pp * config.stages_per_rank)
         owners = sorted({i % pp for i, keep in enumerate(per_stage) if any(n.rsplit(".", 1)[0] in keep for n in names)})
         if len(owners) < 2:
-            raise ValueError(f"pp_tied_parameters {list(names)}: held by fewer than two pipeline ranks")
+            raise ValueError(f"PipelineOptions(tied_parameters) {list(names)}: held by fewer than two pipeline ranks")
         columns = self._meshes.world.mesh.reshape(pp, -1)
         mine = int((columns == dist.get_rank()).nonzero()[0, 1])
         group = None
@@ -204,7 +193,7 @@ class PipelineRunner:
     @property
     def tied_parameters(self) -> dict[str, torch.Tensor] | None:
         """``{key: this rank's copy}`` of the parameters tied across stages (for the norm)."""
-        ties = {names[0]: holders[0] for names, (holders, _) in zip(self.config.tied, self._ties) if holders}
+        ties = {names[0]: holders[0] for names, (holders, _) in zip(self.config.tied_parameters, self._ties) if holders}
         return ties or None
 
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -223,24 +212,12 @@ class PipelineRunner:
         weights, count = self.token_weights, self.token_count
         if count is not None:
             loss = self._module.pipeline_loss(output, target)
-            if loss.dim() == 0 and self.loss_reduction == "mean":
-                raise ValueError(
-                    "with pp > 1 and loss_normalization='token_mean', pipeline_loss must return per-token losses "
-                    "(e.g. cross_entropy(..., reduction='none')) or, with NDParallelStrategy(loss_reduction='sum'), "
-                    "their sum: a micro-batch's mean cannot be weighted by its tokens"
-                )
-            return count.share(loss, None, self.loss_reduction)
+            return loss_share(loss, count, reduction=self.loss_reduction, source="pipeline_loss (pp > 1)")
         if weights is None or self._target is None:
             loss = self._module.pipeline_loss(output, target)
             return (loss if loss.dim() == 0 else loss.sum()) * self.loss_scale
         rows = target  # the schedule split row ids, not the target: look the micro-batch's rows up
-        losses = self._module.pipeline_loss(output, self._target[rows])
-        if losses.shape != weights[rows].shape:
-            raise ValueError(
-                "with loss_normalization='sample_mean', pipeline_loss must return per-token losses shaped "
-                f"like the micro-batch's sample ids {tuple(weights[rows].shape)}, got {tuple(losses.shape)}"
-            )
-        return (losses * weights[rows].to(losses.dtype)).sum()
+        return loss_share(self._module.pipeline_loss(output, self._target[rows]), weights[rows], source="pipeline_loss")
 
     @contextmanager
     def gradients_aside(self, module: nn.Module, window_ends: bool) -> Iterator[None]:

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from typing_extensions import override
 
 from lightning_ndclip import _compat
-from lightning_ndclip.core.norm import GradNorms, grad_norms
+from lightning_ndclip.core.norm import GradNorms, NormPlans, grad_norms
 
 __all__ = ["GlobalNormClip"]
 
@@ -60,6 +60,9 @@ class GlobalNormClip(Callback):
             of all others.
         pp_mesh, tied_parameters, process_group, accumulate_dtype: as in
             :func:`lightning_ndclip.clip_grad_norm_`.
+
+    The callback keeps its own :class:`lightning_ndclip.NormPlans` (the plan of each gradient layout)
+    for as long as it lives.
 
     Logged (pre-clip and post-clip are both named, so neither is mistaken for the other):
     ``grad_norm/total`` (pre-clip), ``grad_norm/clipped`` (post-clip), ``grad_norm/clip_coef``,
@@ -111,6 +114,7 @@ class GlobalNormClip(Callback):
             "process_group": process_group,
             "accumulate_dtype": accumulate_dtype,
         }
+        self._plans = NormPlans()
         self.skipped_steps = 0
         self._seen_steps = 0
         self._clipped: torch.Tensor | None = None  # device tensor: steps with a finite norm and coef < 1
@@ -185,7 +189,12 @@ class GlobalNormClip(Callback):
             kwargs["tied_parameters"] = getattr(trainer.strategy, "tied_parameters", None)
         # the total is read below anyway (unless nonfinite="clip"): an overflowed float32 sum is redone in float64
         norms = grad_norms(
-            named, self.norm_type, per_tensor=per_tensor, retry_overflow=self.nonfinite != "clip" or None, **kwargs
+            named,
+            self.norm_type,
+            per_tensor=per_tensor,
+            retry_overflow=self.nonfinite != "clip" or None,
+            plans=self._plans,
+            **kwargs,
         )
         total = norms.total
         if self.nonfinite != "clip" and not bool(torch.isfinite(total)):

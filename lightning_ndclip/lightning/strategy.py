@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -30,19 +30,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPrecisionPolicy
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from typing_extensions import override
 
 from lightning_ndclip import _compat
 from lightning_ndclip.core._checkpoint import refuse_incomplete_checkpoint, save_distributed_checkpoint_atomically
 from lightning_ndclip.core.coverage import check_data_parallel_reduction
+from lightning_ndclip.core.loss import loss_share
 from lightning_ndclip.core.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError
-from lightning_ndclip.core.parallelism import parallelize
+from lightning_ndclip.core.parallelism import ParallelPlan
+from lightning_ndclip.core.pipeline import PipelineOptions
 from lightning_ndclip.core.reduce import use_sum_reduction
 from lightning_ndclip.core.replicas import broadcast_replicas_
 from lightning_ndclip.core.summary import ParallelSummary, summarize
-from lightning_ndclip.lightning._pipeline import PipelineConfig, PipelineRunner
+from lightning_ndclip.lightning._pipeline import PipelineRunner
 from lightning_ndclip.lightning._windows import LossWindows
 
 __all__ = ["NDParallelStrategy"]
@@ -51,6 +52,11 @@ _SIZES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 _ACCEPTED = (*_SIZES, "data_parallel_size", "tensor_parallel_size", *inspect.signature(ModelParallelStrategy).parameters)
 
 LightningSize = int | Literal["auto"]
+
+_MOVED = {  # 0.1.0's keywords, now in the plan and pipeline objects
+    **{name: f"plan=ParallelPlan({name}=...)" for name in ("tp_plan", "fsdp_units", "activation_checkpointing", "mp_policy")},
+    **{f"pp_{name}": f"pipeline=PipelineOptions({name}=...)" for name in PipelineOptions.__dataclass_fields__},
+}
 
 
 def _lightning_sizes(
@@ -91,28 +97,17 @@ def _resolve_sizes(
 
 
 class NDParallelStrategy(ModelParallelStrategy):
-    """N-D parallel training: FSDP2 / HSDP, tensor, context and pipeline parallel dims on one mesh.
+    """N-D parallel training: FSDP2 / HSDP, tensor, context, pipeline and expert parallel dims on one mesh.
 
-    The strategy builds the mesh (:class:`~lightning_ndclip.core.mesh.ParallelDims`) and hands it to the
-    LightningModule as ``self.device_mesh`` (the world mesh, dims ``pp``, ``dp_replicate``,
-    ``dp_shard``, ``cp``, ``tp``). It also answers to the flattened views' names, ``dp`` (batch
-    dims), ``dp_shard_cp``, ``fsdp`` (FSDP2's mesh: 2-D when ``dp_replicate > 1``) and ``dp_cp`` (loss
-    dims), and to ``ModelParallelStrategy``'s names: ``"data_parallel"`` (= ``fsdp``) and
-    ``"tensor_parallel"`` (= ``tp``), so a LightningModule written for Lightning's strategy runs
-    unchanged. Apply ``fully_shard`` / ``parallelize_module`` in ``configure_model`` with those meshes,
-    or give a declarative plan (``tp_plan``, ``fsdp_units``, ...) instead of a ``configure_model``.
-
-    Data: each rank of ``dp`` gets its own shard (a ``DistributedSampler`` over the batch dims);
-    tp, cp and pp peers get the same batch. ``self.log(..., sync_dist=True)`` reduces over the loss
-    dims ``dp_cp``, not over tp or pp copies. Checkpoints are distributed checkpoints, as in
-    Lightning's ``ModelParallelStrategy``.
-
-    Precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` (and ``"16-true"``), as Lightning's
-    ``ModelParallelStrategy``, which refuses ``"16-mixed"`` when the Trainer is built.
-
-    With no size argument, every rank is a data-parallel FSDP2 rank (``dp_shard`` = world size), on one
-    node or several. That differs from ``ModelParallelStrategy()``, whose default puts tensor parallel
-    over a node's devices: pass ``data_parallel_size`` / ``tensor_parallel_size`` for Lightning's layout.
+    The strategy builds the mesh (:class:`~lightning_ndclip.core.mesh.ParallelDims`) and hands it to
+    the LightningModule as ``self.device_mesh`` (dims ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``,
+    ``tp``; views ``dp``, ``dp_shard_cp``, ``fsdp``, ``dp_cp``; and ``ModelParallelStrategy``'s names
+    ``"data_parallel"`` = ``fsdp`` and ``"tensor_parallel"`` = ``tp``), so a LightningModule written
+    for Lightning's strategy runs unchanged. Parallelize in ``configure_model`` with those meshes, or
+    give a ``plan`` instead. Each ``dp`` rank reads its own data shard; tp, cp and pp peers read the
+    same batch; ``self.log(..., sync_dist=True)`` reduces over ``dp_cp``. Checkpoints and precision
+    plugins are those of ``ModelParallelStrategy``. With no size given, every rank is an FSDP2 rank
+    (``ModelParallelStrategy()`` instead puts tp over a node: pass its two sizes for its layout).
 
     Args:
         dp_replicate: data-parallel replicas (HSDP's replicate dim).
@@ -121,93 +116,47 @@ class NDParallelStrategy(ModelParallelStrategy):
         tp: tensor-parallel degree.
         pp: pipeline-parallel degree.
         ep: expert-parallel degree, carved out of ``dp_shard x cp`` (must divide it).
-        data_parallel_size: ``ModelParallelStrategy``'s name for ``dp_shard`` (an int, or ``"auto"``: the
-            number of nodes). Giving it or ``tensor_parallel_size`` selects Lightning's sizes: the other
-            one defaults to ``"auto"``, as in ``ModelParallelStrategy``; ``dp_replicate`` / ``dp_shard``
-            / ``tp`` may then not be given too.
+        data_parallel_size: ``ModelParallelStrategy``'s name for ``dp_shard`` (an int, or ``"auto"``:
+            the number of nodes). Giving it or ``tensor_parallel_size`` selects Lightning's sizes (the
+            other defaults to ``"auto"``); ``dp_replicate`` / ``dp_shard`` / ``tp`` may then not be given.
         tensor_parallel_size: ``ModelParallelStrategy``'s name for ``tp`` (an int, or ``"auto"``: the
             devices per node).
-        loss_normalization: ``None`` (default): ``training_step`` returns the usual per-rank mean
-            loss, reduced as Lightning and FSDP do. ``"token_mean"``: the exact global token mean.
-            The LightningModule defines ``count_tokens(batch) -> Tensor`` (valid tokens of a raw
-            batch) and ``training_step`` returns, as usual, ``cross_entropy(..., ignore_index=...)``:
-            this micro-batch's mean over its valid tokens (or per-token losses, any shape, ignored
-            tokens 0; or, with ``loss_reduction="sum"``, their sum); a tensor or a dict with a
-            ``"loss"``. The strategy reads every micro-batch of an accumulation window ahead, sums
-            their counts over the batch dims ``dp`` (cp peers read the same raw batch, so each token
-            counts once) in one all-reduce, turns each micro-batch's loss into its share of the global
-            mean, ``mean x n_local / N``, times ``accumulate_grad_batches`` (undoing Lightning's
-            division, also for a partial window at the end of an epoch), makes every FSDP2 reduction
-            a SUM and lets FSDP2 reduce only on the last micro-batch of a window. A window without
-            valid tokens gives zero gradients, not NaN. Counts must be finite non-negative integers:
-            a bad one raises the same ``ValueError`` on every rank, naming the rank and micro-batch.
-            With ``cp > 1`` or ``pp > 1`` a mean cannot be weighted (the count is of the raw batch):
-            return per-token losses there.
-            ``"sample_mean"``: the exact hierarchical (per-sample) mean, for packed sequences and
-            context parallelism. The LightningModule defines ``sample_ids(batch) -> (ids,
-            num_samples)`` or ``(ids, num_samples, valid)``: the per-token sample index of *this
-            rank's* tokens (after its cp shard; ``-1`` for padding) and the number of samples in the
-            micro-batch, numbered alike on the ranks of a cp group; ``training_step`` returns the
-            per-token losses, shaped like ``ids``. Per window, sample token counts are summed over
-            ``cp`` and samples over ``dp`` (two all-reduces), and each micro-batch's loss becomes
-            ``accumulate_grad_batches x Σ_i l_i / (B T_b(i))``.
-        loss_reduction: what a scalar loss is under ``loss_normalization="token_mean"``: ``"mean"``
-            (default, the Lightning habit) or ``"sum"`` (the sum of this micro-batch's per-token losses).
-        log_loss: with ``loss_normalization``, the name under which the strategy logs the exact global
-            mean loss of each optimizer step (what one device shows for the same window; one scalar
-            all-reduce per step), on step and in the progress bar; ``None`` logs nothing.
-        tp_plan: declarative tensor parallelism, ``{module name: ParallelStyle}`` (see
-            :func:`lightning_ndclip.core.parallelism.parallelize`), or ``"auto"``: the own plans of the
-            Hugging Face ``transformers`` models in the LightningModule (:mod:`lightning_ndclip.core.hf`;
-            ``pip install 'lightning_ndclip[hf]'``).
-        fsdp_units: module classes that each become a ``fully_shard`` unit (the root always does).
-        activation_checkpointing: module classes whose activations are recomputed in backward.
-        mp_policy: FSDP2 ``MixedPrecisionPolicy``.
-            Giving any of these four parallelizes a plain LightningModule with no parallel code; the
-            module must then not override ``configure_model`` (one way or the other, not both).
-        pp_split_points: with ``pp > 1``: the units that start stages 1, 2, ... (see
-            :mod:`lightning_ndclip.core.pipeline`; ``pp x pp_stages_per_rank - 1`` of them). Leave empty
-            to build the stages yourself: a ``configure_model`` that sets ``pp_module`` to an
-            ``nn.ModuleDict`` ``{str(global stage index): parallelized stage module}`` of this
-            rank's stages (``pp_stages_per_rank`` of them).
-        pp_schedule: ``"gpipe"``, ``"1f1b"`` (default), ``"interleaved_1f1b"`` or ``"looped_bfs"``.
-        pp_microbatches: micro-batches per batch (default: the number of stages).
-        pp_stages_per_rank: virtual stages per rank (for the interleaved / looped schedules).
-        pp_module: the LightningModule attribute holding the model to split (default ``"model"``).
-            With ``pp > 1`` the strategy replaces it by the ``nn.ModuleList`` of this rank's stages
-            (parallelized with the declarative plan, by the module's ``parallelize_stage(stage)``
-            hook, or else with one ``fully_shard`` per stage), and ``training_step`` runs them with
-            ``trainer.strategy.run_pipeline(inputs, target)``, which does forward and backward and
-            returns the loss; the module defines ``pipeline_loss(output, target)``: a micro-batch's
-            mean loss, or its per-token losses with ``loss_normalization="token_mean"`` (their sum with
-            ``loss_reduction="sum"``) or ``"sample_mean"`` (shaped like the micro-batch's rows of ``sample_ids``; the
-            target must then be a tensor with one row per row of sample ids, split by the schedule
-            like the inputs). The strategy then never calls backward itself.
-        pp_tied_parameters: groups of parameter names (as in the unsplit model) that are one
-            parameter held by several stages, e.g. ``[("embed.weight", "head.weight")]``: their
-            gradients are summed over the holding stages after each window and counted once by
-            ``GlobalNormClip``.
-        sum_reduction: make every FSDP2 gradient reduction a plain SUM after ``configure_model``
-            (:func:`lightning_ndclip.use_sum_reduction`), for a ``training_step`` that normalizes its
-            loss by global counts itself. Implied by ``loss_normalization``.
-        init_sync: after ``configure_model``, give every replica of a DTensor parameter or buffer
-            (its ``Replicate`` mesh dims) the value of its copy at mesh coordinate 0
-            (:func:`lightning_ndclip.broadcast_replicas_`), and the copies of a tied pipeline
-            parameter the lowest stage's value, as DDP does when it wraps a model. ``fully_shard``
-            does not: without it, HSDP replicas of a model built without a common seed start, and
-            stay, different. One broadcast per group of ranks and dtype, once. Plain tensors are
-            left as built.
-        summary: when training starts, print on rank zero what was parallelized how (mesh dims,
-            per top-level module: parameters, FSDP2 units, sharded and replicated dims, tensor-parallel
-            styles, pipeline stage, bytes per rank; see :mod:`lightning_ndclip.core.summary`) and the data
-            side (samples per optimizer step, the loss normalization), and, with ``loss_normalization``,
-            what the first optimizer step counts. ``False`` prints nothing (and gathers nothing).
-        save_distributed_checkpoint: save one shard per rank (``True``) or a full checkpoint on rank 0.
+        plan: a declarative plan (:class:`~lightning_ndclip.core.parallelism.ParallelPlan`:
+            ``tp_plan``, ``fsdp_units``, ``activation_checkpointing``, ``mp_policy``) for a
+            LightningModule with no parallel code and no ``configure_model``.
+        pipeline: with ``pp > 1``, how the pipeline is built and run
+            (:class:`~lightning_ndclip.core.pipeline.PipelineOptions`). ``training_step`` then calls
+            ``trainer.strategy.run_pipeline(inputs, target)`` (forward and backward; returns the loss)
+            and the module defines ``pipeline_loss(output, target)`` (``docs/howto/pipeline.md``).
+        loss_normalization: ``None`` (default): Lightning's per-rank mean loss, averaged by the
+            data-parallel reduction. ``"token_mean"``: the exact global token mean; the module defines
+            ``count_tokens(batch) -> Tensor`` and ``training_step`` returns its usual loss (a mean over
+            the micro-batch's valid tokens; per-token losses under ``cp > 1`` or ``pp > 1``).
+            ``"sample_mean"``: the exact per-sample mean; the module defines ``sample_ids(batch) ->
+            (ids, num_samples[, valid])`` for this rank's tokens and ``training_step`` returns per-token
+            losses shaped like ``ids``. The counts of a whole accumulation window are synchronized
+            before its first backward, every loss becomes its share of the global mean
+            (:func:`~lightning_ndclip.core.loss.loss_share`), every FSDP2 reduction a SUM, issued on
+            the window's last micro-batch. Bad counts raise the same ``ValueError`` on every rank.
+        loss_reduction: what a scalar ``"token_mean"`` loss is: ``"mean"`` (default, the Lightning
+            habit) or ``"sum"``.
+        log_loss: with ``loss_normalization``, the name under which the exact global mean loss of each
+            optimizer step is logged (on step, progress bar); ``None`` logs nothing.
+        sum_reduction: make every FSDP2 gradient reduction a plain SUM, for a ``training_step`` that
+            normalizes its loss by global counts itself. Implied by ``loss_normalization``.
+        init_sync: after ``configure_model``, give every replica of a parameter or buffer (its
+            ``Replicate`` mesh dims; tied pipeline copies) the value of its copy at coordinate 0, as
+            DDP does (:func:`~lightning_ndclip.core.replicas.broadcast_replicas_`).
+        summary: when training starts, print on rank zero what was parallelized how
+            (:func:`~lightning_ndclip.core.summary.summarize`) and what the first step counts.
+        save_distributed_checkpoint: one shard per rank (``True``), or a full checkpoint on rank 0.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: from the accelerator.
         timeout: process-group timeout.
 
-    All sizes are validated in ``__init__`` against each other and, once the world size is known
+    Every argument is validated here, the sizes against each other and, once the world size is known
     and before any collective, against it: a mismatch is a ``ValueError`` stating the arithmetic.
+    0.1.0's flat ``tp_plan`` / ``fsdp_units`` / ... and ``pp_*`` keywords are a ``TypeError`` naming
+    their place in ``plan`` / ``pipeline``.
     """
 
     def __init__(
@@ -224,16 +173,8 @@ class NDParallelStrategy(ModelParallelStrategy):
         loss_normalization: Literal["token_mean", "sample_mean"] | None = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
         log_loss: str | None = "train_loss",
-        tp_plan: Mapping[str, ParallelStyle] | Literal["auto"] | None = None,
-        fsdp_units: Sequence[type[nn.Module]] = (),
-        activation_checkpointing: Sequence[type[nn.Module]] = (),
-        mp_policy: MixedPrecisionPolicy | None = None,
-        pp_split_points: Sequence[str] = (),
-        pp_schedule: str = "1f1b",
-        pp_microbatches: int | None = None,
-        pp_stages_per_rank: int = 1,
-        pp_module: str = "model",
-        pp_tied_parameters: Sequence[Sequence[str]] = (),
+        plan: ParallelPlan | None = None,
+        pipeline: PipelineOptions | None = None,
         sum_reduction: bool = False,
         init_sync: bool = True,
         summary: bool = True,
@@ -244,6 +185,8 @@ class NDParallelStrategy(ModelParallelStrategy):
     ) -> None:
         if unexpected:
             name = next(iter(unexpected))
+            if name in _MOVED:
+                raise TypeError(f"NDParallelStrategy({name}=...) is now {_MOVED[name]}")
             close = difflib.get_close_matches(name, _ACCEPTED, n=1)
             raise TypeError(
                 f"NDParallelStrategy got an unexpected keyword argument {name!r}"
@@ -279,28 +222,17 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._init_sync = init_sync
         self._summary = summary
         self._counts_told = not summary
-        if tp_plan and tp == 1:
-            raise ValueError("NDParallelStrategy(tp_plan=...) needs tp > 1")
-        self._plan: dict[str, Any] = {
-            "tp_plan": tp_plan,
-            "fsdp_units": tuple(fsdp_units),
-            "activation_checkpointing": tuple(activation_checkpointing),
-            "mp_policy": mp_policy,
-        }
-        stages = pp * pp_stages_per_rank
-        if pp > 1 and pp_split_points and len(pp_split_points) != stages - 1:
+        self._plan = plan or ParallelPlan()
+        if self._plan.tp_plan and tp == 1:
+            raise ValueError("NDParallelStrategy(plan=ParallelPlan(tp_plan=...)) needs tp > 1")
+        self._pp = pipeline or PipelineOptions()
+        stages = pp * self._pp.stages_per_rank
+        if pp > 1 and self._pp.split_points and len(self._pp.split_points) != stages - 1:
             raise ValueError(
-                f"pp={pp} x pp_stages_per_rank={pp_stages_per_rank} = {stages} stages need {stages - 1} "
-                f"pp_split_points, got {list(pp_split_points)}"
+                f"pp={pp} x stages_per_rank={self._pp.stages_per_rank} = {stages} stages need {stages - 1} "
+                f"PipelineOptions(split_points), got {list(self._pp.split_points)}"
             )
-        self._pp = PipelineConfig(
-            split_points=tuple(pp_split_points),
-            schedule=pp_schedule,
-            stages_per_rank=pp_stages_per_rank,
-            n_microbatches=pp_microbatches or stages,
-            module=pp_module,
-            tied=tuple(tuple(group) for group in pp_tied_parameters),
-        )
+        self._microbatches = self._pp.microbatches or stages
         self._pipeline: PipelineRunner | None = None
         self._window_scale: torch.Tensor | None = None
         self._windows: LossWindows | None = None
@@ -355,12 +287,12 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._dims = ParallelDims(world_size=world_size, **sizes)  # before any collective
         module = self._module
         if self._dims.pp > 1:
-            self._pipeline = PipelineRunner(self._pp, self.root_device)
+            self._pipeline = PipelineRunner(self._pp, self._microbatches, self.root_device)
             self._pipeline.check(module, self._plan)
-        elif any(self._plan.values()) and is_overridden("configure_model", module):
+        elif self._plan and is_overridden("configure_model", module):
             raise ValueError(
                 f"{type(module).__name__} overrides configure_model() and NDParallelStrategy was given a "
-                "declarative plan (tp_plan / fsdp_units / activation_checkpointing / mp_policy): use one"
+                "plan (ParallelPlan): use one"
             )
         _compat.setup_distributed(self)
         self._meshes = self._dims.build_mesh(self.root_device.type)
@@ -421,7 +353,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         roots = [c for c in module.children() if any(True for _ in c.parameters())]
         if any(True for _ in module.parameters(recurse=False)) or not roots:
             roots.append(module)
-        parallelize(module, self.meshes, **self._plan, root_units=roots)
+        self._plan.apply(module, self.meshes, root_units=roots)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -440,13 +372,13 @@ class NDParallelStrategy(ModelParallelStrategy):
             )
         if self._pipeline is not None:
             self._pipeline.setup(module, self.meshes, self._plan)
-        elif any(self._plan.values()):
+        elif self._plan:
             self._apply_declarative_plan(module)
         elif not is_overridden("configure_model", module):
             raise TypeError(
                 f"When using the {type(self).__name__}, you are required to override the `configure_model()` hook "
                 "in the LightningModule and apply parallelization there, or to give the strategy a declarative "
-                "plan (fsdp_units=..., tp_plan=...)."
+                "plan (plan=ParallelPlan(fsdp_units=..., tp_plan=...))."
             )
         if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
             raise TypeError(
@@ -489,7 +421,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         if self._pipeline is not None:
             config = self._pp
             summary.notes.append(
-                f"Pipeline: schedule {config.schedule!r}, {config.n_microbatches} micro-batches per batch, "
+                f"Pipeline: schedule {config.schedule!r}, {self._microbatches} micro-batches per batch, "
                 f"{dims.pp * config.stages_per_rank} stages ({config.stages_per_rank} per rank)"
             )
         loss = {
@@ -546,7 +478,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             self._set_gradient_sync(last)
             if pipeline is None:
                 return super().training_step(*args, **kwargs)
-            pipeline.loss_scale = 1.0 / (self._pp.n_microbatches * k)  # micro-batch means -> window mean
+            pipeline.loss_scale = 1.0 / (self._microbatches * k)  # micro-batch means -> window mean
         else:
             scale, last = self._windows.window_of(self._batch_idx)
             if not self._counts_told and self._windows.first_window is not None:
@@ -591,21 +523,14 @@ class NDParallelStrategy(ModelParallelStrategy):
             )
         if self._loss_normalization == "token_mean":
             count, local = scale
-            if loss.dim() == 0 and self._loss_reduction == "mean" and self.parallel_dims.cp > 1:
-                raise ValueError(
-                    "with cp > 1 and loss_normalization='token_mean', training_step must return the per-token losses "
-                    "of its sequence shard (e.g. cross_entropy(..., reduction='none')) or, with "
-                    "NDParallelStrategy(loss_reduction='sum'), their sum: count_tokens(batch) counts the raw batch, "
-                    "not this rank's shard, so a mean cannot be weighted by its tokens"
-                )
-            scaled = count.share(loss, local, self._loss_reduction) * k
+            if self.parallel_dims.cp > 1:  # count_tokens(batch) counts the raw batch, not this rank's shard
+                local, source = None, "training_step (cp > 1: count_tokens counts the raw batch, not this shard)"
+            else:
+                source = "training_step"
+            scaled = loss_share(loss, count, local_tokens=local, reduction=self._loss_reduction, source=source)
         else:
-            if loss.shape != scale.shape:
-                raise ValueError(
-                    f"with loss_normalization='sample_mean', training_step must return per-token losses "
-                    f"shaped like sample_ids(batch)[0] {tuple(scale.shape)}, got {tuple(loss.shape)}"
-                )
-            scaled = (loss * scale.to(loss.dtype)).sum() * k
+            scaled = loss_share(loss, scale, source="training_step")
+        scaled = scaled * k
         return {**output, "loss": scaled} if isinstance(output, Mapping) else scaled
 
     def _log_window_loss(self, output: Any, k: int, last: bool) -> None:

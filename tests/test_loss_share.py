@@ -1,0 +1,68 @@
+"""``loss_share``, the one rule that scales a micro-batch's loss to its share of the global mean
+(used by the strategy, its pipeline glue and ``TokenCount.normalize`` / ``SampleWeights.normalize``).
+One process: the counts are built directly, as ``sync_token_count`` returns them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_ndclip import SampleWeights, TokenCount, loss_share
+
+
+def _count(total: int, invalid: int = 0) -> TokenCount:
+    t = torch.tensor(total)
+    return TokenCount(total=t, empty=t == 0, invalid=torch.tensor(invalid))
+
+
+def test_every_form_of_a_micro_batch_loss_gives_the_same_share_of_the_global_mean():
+    torch.manual_seed(0)
+    per_token = torch.rand(3, 5, dtype=torch.float64)
+    per_token[0, :2] = 0.0  # ignored tokens carry 0, as cross_entropy(reduction="none") gives them
+    local = torch.tensor(13)  # valid tokens of this micro-batch; the whole step has 40
+    count = _count(40)
+    expected = per_token.sum() / 40
+    shares = [
+        loss_share(per_token, count),
+        loss_share(per_token.sum() / 13, count, local_tokens=local, reduction="mean"),
+        loss_share(per_token.sum(), count, reduction="sum"),
+        count.normalize(per_token.sum()),
+    ]
+    for share in shares:
+        torch.testing.assert_close(share, expected, rtol=1e-12, atol=0)
+    naive = per_token.sum() / 13  # the micro-batch's own mean: what DDP-style averaging weights by
+    assert not torch.isclose(naive, expected)
+
+
+def test_per_sample_weights_scale_per_token_losses():
+    losses = torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float64)
+    weights = SampleWeights(
+        weights=[torch.tensor([[0.25, 0.25, 0.5]], dtype=torch.float64)],
+        tokens_per_sample=[torch.tensor([2, 1])],
+        num_samples=torch.tensor(2),
+        local_samples=torch.tensor(2),
+        empty=torch.tensor(False),
+    )
+    expected = torch.tensor(0.25 + 0.5 + 1.5, dtype=torch.float64)
+    torch.testing.assert_close(loss_share(losses, weights.weights[0]), expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(weights.normalize(losses, 0), expected, rtol=1e-12, atol=0)
+
+
+def test_no_token_anywhere_gives_zero_and_an_invalid_count_gives_nan():
+    loss = torch.tensor(0.0, requires_grad=True)
+    assert loss_share(loss, _count(0), reduction="sum").item() == 0.0
+    assert loss_share(torch.tensor(2.0), _count(0), local_tokens=torch.tensor(0), reduction="mean").item() == 0.0
+    assert torch.isnan(loss_share(torch.tensor(2.0), _count(4, invalid=1), reduction="sum"))
+
+
+def test_losses_that_cannot_be_scaled_exactly_are_refused_naming_their_source():
+    with pytest.raises(ValueError, match="pipeline_loss must return per-token losses.*mean cannot be weighted"):
+        loss_share(torch.tensor(1.0), _count(4), reduction="mean", source="pipeline_loss")
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum', got 'max'"):
+        loss_share(torch.tensor(1.0), _count(4), reduction="max")
+    with pytest.raises(ValueError, match=r"training_step must return per-token losses shaped like .* \(2, 3\), got \(2,\)"):
+        loss_share(torch.ones(2), torch.ones(2, 3), source="training_step")
+    with pytest.raises(ValueError, match="shaped like"):
+        SampleWeights([torch.ones(2, 3)], [torch.ones(1)], torch.tensor(1), torch.tensor(1), torch.tensor(False)).normalize(
+            torch.ones(3)
+        )
