@@ -20,27 +20,33 @@ HAVE_LIGHTNING = all(importlib.util.find_spec(name) is not None for name in ("li
 _LIGHTNING_LAYER = {"GlobalMeanLoss", "GlobalNormClip", "NDParallelStrategy"}
 
 
+def imported_modules(tree: ast.AST) -> list[tuple[str, set[str]]]:
+    """``(module, names imported from it)`` for every absolute import in ``tree``, at any depth
+    (``import a.b`` gives ``("a.b", set())``)."""
+    found: list[tuple[str, set[str]]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, set()) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            found.append((node.module, {alias.name for alias in node.names}))
+    return found
+
+
 def needs_lightning(source: str) -> bool:
     """Whether code imports Lightning (directly, through the package's Lightning layer, or through a
     module of tests/ or examples/ that does), anywhere in it; ``nd.GlobalNormClip`` counts as an import."""
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Attribute) and node.attr in _LIGHTNING_LAYER:
+    tree = ast.parse(source)
+    if any(isinstance(node, ast.Attribute) and node.attr in _LIGHTNING_LAYER for node in ast.walk(tree)):
+        return True
+    for module, names in imported_modules(tree):
+        if module == "lightning_ndclip" and _LIGHTNING_LAYER & names:
             return True
-        if isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
-            modules = [node.module]
-            if node.module == "lightning_ndclip" and _LIGHTNING_LAYER & {alias.name for alias in node.names}:
-                return True
-        else:
-            continue
-        for module in modules:
-            root = module.split(".")[0]
-            if root in LIGHTNING_ROOTS or module.startswith("lightning_ndclip.lightning"):
-                return True
-            local = [ROOT / folder / f"{root}.py" for folder in ("tests", "examples")]
-            if any(path.exists() and needs_lightning(path.read_text(encoding="utf-8")) for path in local):
-                return True
+        root = module.split(".")[0]
+        if root in LIGHTNING_ROOTS or module.startswith("lightning_ndclip.lightning"):
+            return True
+        local = [ROOT / folder / f"{root}.py" for folder in ("tests", "examples")]
+        if any(path.exists() and needs_lightning(path.read_text(encoding="utf-8")) for path in local):
+            return True
     return False
 
 

@@ -38,7 +38,7 @@ from unittest import mock
 
 import doc_snippets
 import pytest
-from conftest import HAVE_LIGHTNING, needs_lightning
+from conftest import HAVE_LIGHTNING, imported_modules, needs_lightning
 from harness import run_on_ranks
 from helpers import use_existing_process_group
 
@@ -89,12 +89,7 @@ def _missing(source: str, options: dict) -> str | None:
     code = "\n\n".join([source, *(inspect.getsource(f) for f in fixtures)])
     if not HAVE_LIGHTNING and (len(fixtures) < len(names) or needs_lightning(code)):
         return "Lightning (the lightning extra)"
-    imported = set()
-    for node in ast.walk(ast.parse(code)):
-        if isinstance(node, ast.Import):
-            imported |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            imported.add(node.module.split(".")[0])
+    imported = {module.split(".")[0] for module, _ in imported_modules(ast.parse(code))}
     for package, extra in _EXTRAS.items():
         if package in imported and importlib.util.find_spec(package) is None:
             return f"{package} (the {extra} extra)"

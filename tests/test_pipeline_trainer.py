@@ -92,6 +92,16 @@ def _trainer_pp_case(dp_shard: int, schedule: str, stages_per_rank: int) -> dict
     return {"params": r["params"], "norms": r["norms"], "loss": float(r["trainer"].callback_metrics["loss_share"])}
 
 
+def _assert_norms_match(norms: list[float], ref_norms: list[float]) -> None:
+    for ours, ref in zip(norms, ref_norms):
+        assert abs(ours - ref) <= 1e-12 * ref
+
+
+def _assert_params_match(params: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    for name, value in params.items():
+        assert float((value - expected[name]).norm() / expected[name].norm()) < 1e-12, name
+
+
 @pytest.mark.parametrize(
     "dp_shard,schedule,stages_per_rank",
     [(1, "1f1b", 1), (1, "interleaved_1f1b", 2), (2, "gpipe", 1)],
@@ -109,12 +119,9 @@ def test_trainer_with_pipeline_matches_single_device(dp_shard, schedule, stages_
         ref_loss = float(nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100))
     for r in run_on_ranks(2 * dp_shard, _trainer_pp_case, dp_shard, schedule, stages_per_rank):
         assert len(r["norms"]) == 2
-        for ours, ref in zip(r["norms"], ref_norms):
-            assert abs(ours - ref) <= 1e-12 * ref
+        _assert_norms_match(r["norms"], ref_norms)
         assert abs(r["loss"] - ref_loss) <= 1e-12 * ref_loss  # every rank sees the last stage's loss
-        for name, value in r["params"].items():
-            assert float((value - expected[name]).norm() / expected[name].norm()) < 1e-12, name
-
+        _assert_params_match(r["params"], expected)
 
 
 class _OwnZeroGradLM(_PipelinedLM):
@@ -145,8 +152,7 @@ def test_a_pipelined_module_keeps_its_own_hooks_and_matches_single_device():
         # each window is an epoch's two batches: Lightning's hook, once per window, at its first batch
         assert r["zeroed_at"] == [(0, 0), (1, 0)]
         assert not r["patched"], f"the strategy set {r['patched']} on the LightningModule"
-        for name, value in r["params"].items():
-            assert float((value - expected[name]).norm() / expected[name].norm()) < 1e-12, name
+        _assert_params_match(r["params"], expected)
 
 
 class _TiedPipelinedLM(_PipelinedLM):
@@ -299,10 +305,8 @@ def test_trainer_pp2_dp2_tp2_on_eight_ranks_matches_single_device():
     ref_norms, expected = _reference_steps(2)
     for r in run_on_ranks(8, _pp_dp_tp_trainer_case, "1f1b"):
         assert len(r["norms"]) == 2
-        for ours, ref in zip(r["norms"], ref_norms):
-            assert abs(ours - ref) <= 1e-12 * ref
-        for name, value in r["params"].items():
-            assert float((value - expected[name]).norm() / expected[name].norm()) < 1e-12, name
+        _assert_norms_match(r["norms"], ref_norms)
+        _assert_params_match(r["params"], expected)
 
 
 class _UserStagedLM(_PipelinedLM):
@@ -332,10 +336,8 @@ def test_stages_built_in_configure_model_match_single_device():
     ref_norms, expected = _reference_steps(2)
     for r in run_on_ranks(2, _user_stages_case):
         assert len(r["norms"]) == 2 and r["params"]
-        for ours, ref in zip(r["norms"], ref_norms):
-            assert abs(ours - ref) <= 1e-12 * ref
-        for name, value in r["params"].items():
-            assert float((value - expected[name]).norm() / expected[name].norm()) < 1e-12, name
+        _assert_norms_match(r["norms"], ref_norms)
+        _assert_params_match(r["params"], expected)
 
 
 # --- sample_mean with pp > 1: the per-token weights travel with the schedule's row split ---
@@ -399,10 +401,8 @@ def test_sample_mean_with_a_pipeline_matches_single_device(dp_shard):
     assert abs(ref_norms[0] - token_norms[0]) > 1e-3 * token_norms[0], "the two means should differ here"
     for r in run_on_ranks(2 * dp_shard, _sample_mean_pp_case, dp_shard):
         assert len(r["norms"]) == 2
-        for ours, ref in zip(r["norms"], ref_norms):
-            assert abs(ours - ref) <= 1e-12 * ref
-        for name, value in r["params"].items():
-            assert float((value - expected[name]).norm() / expected[name].norm()) < 1e-12, name
+        _assert_norms_match(r["norms"], ref_norms)
+        _assert_params_match(r["params"], expected)
 
 
 class _ShortTargetLM(_SampleMeanPipelinedLM):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import math
@@ -55,7 +56,7 @@ LightningSize = int | Literal["auto"]
 
 _MOVED = {  # 0.1.0's keywords, now in the plan and pipeline objects
     **{name: f"plan=ParallelPlan({name}=...)" for name in ("tp_plan", "fsdp_units", "activation_checkpointing", "mp_policy")},
-    **{f"pp_{name}": f"pipeline=PipelineOptions({name}=...)" for name in PipelineOptions.__dataclass_fields__},
+    **{f"pp_{name}": f"pipeline=PipelineOptions({name}=...)" for name in (f.name for f in dataclasses.fields(PipelineOptions))},
 }
 
 
