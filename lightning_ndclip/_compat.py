@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -94,10 +95,16 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
 # --- PyTorch -------------------------------------------------------------------------------------
 
 
+_LOCAL_TENSOR = operator.attrgetter("_local_tensor")
+
+
 def local_tensors(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """Each DTensor's local shard, other tensors as they are (reason: ``to_local()`` runs an autograd
     Function whenever grad mode is on, microseconds per tensor per step; the attribute is the same
-    tensor). One call per list: the attribute read inline costs half what a call per tensor does."""
+    tensor). One call per list, in C when every tensor is a DTensor (no Python line per tensor)."""
+    tensors = tensors if isinstance(tensors, list) else list(tensors)
+    if all(map(isinstance, tensors, repeat(DTensor))):
+        return list(map(_LOCAL_TENSOR, tensors))
     return [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
 
 

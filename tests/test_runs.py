@@ -147,3 +147,21 @@ def test_grad_norms_clip_scales_what_it_normed_like_clip_grads_with_norm_():
         grads[way] = [p.grad.clone() for p in params]
         assert torch.isnan(buffer).sum() == 5  # the padding between the views is never scaled
     assert all(torch.equal(a, b) for a, b in zip(grads["clip_"], grads["clip_grads_with_norm_"]))
+
+
+def test_several_buffers_gaps_uncounted_views_and_single_tensors_in_one_list():
+    def make() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        tiled, a = _fsdp_like([6, 4], [0, 0])
+        gapped, b = _fsdp_like([6, 4, 10], [0, 3, 0])  # NaN gap after its 2nd view
+        mixed, c = _fsdp_like([8, 2, 6], [0, 0, 0])
+        plain = torch.randn(5, dtype=torch.float64)
+        return [tiled, gapped, mixed], [*b, plain, *a, *c]
+
+    counted = [True, True, True, True, True, True, True, False, True]  # mixed's middle view is not counted
+    finder = RunFinder()
+    for _ in range(2):  # the second call validates the cached grouping on fresh buffers
+        buffers, views = make()
+        to_norm, to_scale = _check(finder, views, counted)
+        assert (len(to_norm), len(to_scale)) == (6, 5)  # runs: tiled 1, gapped 2, mixed 2 (norm) / 1 (scale), plain 1
+        torch._foreach_mul_(to_scale, 2.0)
+        assert int(torch.isnan(buffers[1]).sum()) == 3  # the gap was never written

@@ -25,13 +25,17 @@ FSDP2 allocates fresh buffers every step; the check costs two attribute reads pe
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from itertools import chain, repeat
+from typing import TypeVar, cast
 
 import torch
 
 from lightning_ndclip._compat import view_base
+
+T = TypeVar("T")
+_DTYPE = operator.attrgetter("dtype")
 
 
 @dataclass(frozen=True)
@@ -80,8 +84,55 @@ def _buffer(view: torch.Tensor) -> torch.Tensor:
     return cast(torch.Tensor, view_base(view))
 
 
-def _piece(base: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    return base.as_strided((end - start,), (1,), base.storage_offset() + start)
+def _picker(indices: Sequence[int]) -> Callable[[Sequence[T]], tuple[T, ...]]:
+    """``lambda xs: tuple(xs[i] for i in indices)``, in C (``itemgetter`` returns a bare item for one
+    index)."""
+    if not indices:
+        return lambda _: ()
+    if len(indices) == 1:
+        get = operator.itemgetter(indices[0])
+        return lambda xs: (get(xs),)
+    return operator.itemgetter(*indices)
+
+
+def _sections(runs: tuple[tuple[int, int], ...], numel: int) -> tuple[list[int], list[int]]:
+    """Sizes that split a buffer of ``numel`` elements at every run boundary, and the indices of the
+    sections that are runs (the others are gaps)."""
+    sizes: list[int] = []
+    wanted: list[int] = []
+    position = 0
+    for start, end in runs:
+        if start > position:
+            sizes.append(start - position)
+        wanted.append(len(sizes))
+        sizes.append(end - start)
+        position = end
+    if position < numel:
+        sizes.append(numel - position)
+    return sizes, wanted
+
+
+class _Pieces:
+    """How to cut the groups' buffers into runs with one ``split`` per buffer and pick the runs out
+    of all the sections with one ``itemgetter``: no Python line per run."""
+
+    def __init__(self, groups: Sequence[_Group], which: str) -> None:
+        self.sections: list[list[int]] = []
+        wanted: list[int] = []
+        offset = 0
+        for group in groups:
+            sizes, runs = _sections(getattr(group, which), group.numel)
+            self.sections.append(sizes)
+            wanted.extend(offset + r for r in runs)
+            offset += len(sizes)
+        self.pick = _picker(wanted)
+        # every buffer is one run: the buffers themselves
+        self.whole_buffers = len(wanted) == len(groups) and all(len(sizes) == 1 for sizes in self.sections)
+
+    def of(self, bases: list[torch.Tensor]) -> Sequence[torch.Tensor]:
+        if self.whole_buffers:
+            return bases
+        return self.pick(list(chain.from_iterable(map(torch.Tensor.split, bases, self.sections))))
 
 
 class RunFinder:
@@ -90,9 +141,15 @@ class RunFinder:
     def __init__(self) -> None:
         self._count = -1
         self._groups: tuple[_Group, ...] = ()
-        self._singles: tuple[int, ...] = ()
-        self._pick_members = operator.itemgetter(0, 0)  # every grouped tensor, group after group
-        self._group_of: list[int] = []  # the group of each of them
+        self._pick_heads = _picker(())  # the member of each group whose ``_base`` is its buffer
+        self._pick_members = _picker(())  # every grouped tensor, group after group
+        self._pick_singles = _picker(())  # the tensors in no group, and the counted ones among them
+        self._pick_counted_singles = _picker(())
+        self._scale_pieces: _Pieces | None = None
+        self._norm_pieces: _Pieces | None = None  # None: the same runs as to scale
+        self._numels: list[int] = []  # of the buffers
+        self._dtypes: list[torch.dtype] = []
+        self._group_of: list[int] = []  # the group of each grouped tensor
         self._byte_offsets: list[int] = []  # and its byte offset inside the group's buffer
         self._base_ptrs: list[int] = []  # the buffers' addresses at the last successful check
         self._ptrs: list[int] = []  # the members' addresses then
@@ -107,25 +164,15 @@ class RunFinder:
         bases = self._validated_bases(locals_)
         if bases is None:
             self._rebuild(locals_, counted, padding)
-            bases = [_buffer(locals_[g.head]) for g in self._groups]
+            bases = list(map(_buffer, self._pick_heads(locals_)))
         if self._bases_are_runs:
             return Runs(bases, bases)
-        to_norm: list[torch.Tensor] = []
-        to_scale: list[torch.Tensor] = []
-        for group, base in zip(self._groups, bases):
-            if group.tiles_buffer:
-                to_scale.append(base)
-            else:
-                to_scale.extend([_piece(base, a, b) for a, b in group.scale_runs])
-            if group.norm_runs == group.scale_runs:
-                to_norm.extend(to_scale[len(to_scale) - len(group.scale_runs) :])
-            else:
-                to_norm.extend([_piece(base, a, b) for a, b in group.norm_runs])
-        for i in self._singles:
-            to_scale.append(locals_[i])
-            if counted[i]:
-                to_norm.append(locals_[i])
-        return Runs(to_norm, to_scale)
+        scale = self._scale_pieces.of(bases) if self._scale_pieces else ()
+        norm = self._norm_pieces.of(bases) if self._norm_pieces else scale
+        return Runs(
+            [*norm, *self._pick_counted_singles(locals_)],
+            [*scale, *self._pick_singles(locals_)],
+        )
 
     def _validated_bases(self, locals_: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         """The groups' buffers if the cached grouping still holds for ``locals_``, else ``None``."""
@@ -133,16 +180,17 @@ class RunFinder:
             return None
         if not self._groups:
             return []
-        maybe_bases = [view_base(locals_[g.head]) for g in self._groups]
-        if not all(
-            [
-                b is not None and b.numel() == g.numel and b.dtype == g.dtype and b.is_contiguous()
-                for g, b in zip(self._groups, maybe_bases)
-            ]
-        ):
+        maybe_bases = list(map(view_base, self._pick_heads(locals_)))
+        if any(map(operator.is_, maybe_bases, repeat(None))):
             return None
         bases = cast("list[torch.Tensor]", maybe_bases)
-        base_ptrs = [b.data_ptr() for b in bases]
+        if (
+            list(map(torch.Tensor.numel, bases)) != self._numels
+            or list(map(_DTYPE, bases)) != self._dtypes
+            or not all(map(torch.Tensor.is_contiguous, bases))
+        ):
+            return None
+        base_ptrs = list(map(torch.Tensor.data_ptr, bases))
         members = self._pick_members(locals_)
         if not all(map(torch.Tensor.is_contiguous, members)):
             return None
@@ -201,9 +249,16 @@ class RunFinder:
                 )
             )
         self._groups = tuple(groups)
-        self._singles = tuple(sorted(singles))
+        singles.sort()
         self._count = len(locals_)
-        # every group has two members or more, so the getter always returns a tuple
-        self._pick_members = operator.itemgetter(*members_all) if members_all else operator.itemgetter(0, 0)
+        self._pick_heads = _picker([g.head for g in groups])
+        self._pick_members = _picker(members_all)
+        self._pick_singles = _picker(singles)
+        self._pick_counted_singles = _picker([i for i in singles if counted[i]])
+        self._numels = [g.numel for g in groups]
+        self._dtypes = [g.dtype for g in groups]
+        self._scale_pieces = _Pieces(groups, "scale_runs") if groups else None
+        same = all(g.norm_runs == g.scale_runs for g in groups)
+        self._norm_pieces = None if same else _Pieces(groups, "norm_runs")
         self._base_ptrs, self._ptrs = [], []
-        self._bases_are_runs = not singles and all(g.tiles_buffer and g.norm_runs == g.scale_runs for g in groups)
+        self._bases_are_runs = not singles and same and all(g.tiles_buffer for g in groups)

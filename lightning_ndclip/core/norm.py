@@ -21,8 +21,10 @@ the caches they keep (:class:`NormPlans`).
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TypeVar, cast
 
 import torch
@@ -46,6 +48,9 @@ from lightning_ndclip.core._runs import RunFinder
 __all__ = ["GradNorms", "NormPlans", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norms"]
 
 T = TypeVar("T")
+_GRAD = operator.attrgetter("grad")
+_DEVICE = operator.attrgetter("device")
+_DTYPE = operator.attrgetter("dtype")
 _EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_
 
 
@@ -180,7 +185,9 @@ def _locals(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def _layout_key(tensors: Sequence[torch.Tensor]) -> tuple:
     """Identifies a layout cheaply: DTensor specs by ``id``, which is sound only while the cache entry
     under the key holds the specs alive (``_specs``), so that no new spec can take one of those ids;
-    plain tensors by shape and dtype."""
+    plain tensors by shape and dtype. In C when all tensors are DTensors (no Python line per tensor)."""
+    if all(map(isinstance, tensors, repeat(DTensor))):
+        return tuple(map(id, map(dtensor_spec, tensors)))
     return tuple([id(dtensor_spec(t)) if isinstance(t, DTensor) else (t.shape, t.dtype) for t in tensors])
 
 
@@ -295,8 +302,11 @@ def _specs(tensors: Sequence[torch.Tensor]) -> tuple:
     return tuple(dtensor_spec(t) for t in tensors if isinstance(t, DTensor))
 
 
-def _by_device_and_dtype(items: Iterable[T], tensors: Iterable[torch.Tensor]) -> dict[tuple, list[T]]:
+def _by_device_and_dtype(items: Sequence[T], tensors: Sequence[torch.Tensor]) -> dict[tuple, list[T]]:
     """``items`` grouped by the (device, dtype) of the matching ``tensors``, in order within a group."""
+    kinds = set(zip(map(_DEVICE, tensors), map(_DTYPE, tensors)))
+    if len(kinds) <= 1:  # the usual case, found without a Python line per tensor
+        return {kind: list(items) for kind in kinds}
     groups: dict[tuple, list[T]] = {}
     for item, t in zip(items, tensors):
         groups.setdefault((t.device, t.dtype), []).append(item)
@@ -634,13 +644,13 @@ def clip_grads_with_norm_(
 
 def _read_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     with disable_torch_function_subclass():  # skips DTensor's __torch_function__ on `.grad`
-        return [p.grad for p in params]
+        return list(map(_GRAD, params))
 
 
 def _with_grads(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The parameters that have a gradient, and their gradients (``p.grad`` read once each)."""
     grads = _read_grads(params)
-    if all([g is not None for g in grads]):  # not `None in grads`: that calls Tensor.__eq__
+    if not any(map(operator.is_, grads, repeat(None))):  # not `None in grads`: that calls Tensor.__eq__
         return params, cast("list[torch.Tensor]", grads)
     kept = [(p, g) for p, g in zip(params, grads) if g is not None]
     return [p for p, _ in kept], [g for _, g in kept]
