@@ -14,6 +14,7 @@ parameter, needs the other ranks' view and is decided in :mod:`lightning_ndclip.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,71 +79,107 @@ def dim0_padding(tensor: torch.Tensor) -> int:
     ``Replicate`` or sharding other dims) and whose local chunk is short but not empty:
     ``(ceil(D / W) - rows) * row_numel`` for global dim-0 size ``D`` over ``W`` ranks.
     """
-    if not isinstance(tensor, DTensor):
-        return 0
-    spec = dtensor_spec(tensor)
-    on_dim0 = [d for d, p in enumerate(spec.placements) if isinstance(p, (Shard, StridedShard)) and p.dim == 0]
-    if len(on_dim0) != 1 or type(spec.placements[on_dim0[0]]) is not Shard:
-        return 0
-    local = local_tensors([tensor])[0]
-    rows = local.shape[0] if local.dim() else 0
-    padded_rows = -(-spec.shape[0] // spec.mesh.size(on_dim0[0]))
-    if rows == 0 or rows >= padded_rows:
-        return 0
-    return (padded_rows - rows) * (local.numel() // rows)
+    return dim0_paddings([tensor])[0]
 
 
-def describe(
-    tensor: torch.Tensor, name: str, rank: int, mesh_cache: dict[int, tuple[int, ...]] | None = None
-) -> TensorLayout:
+def dim0_paddings(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """:func:`dim0_padding` of every tensor (what depends on the placements worked out once per
+    mesh and placements)."""
+    ranks_of_dim0: dict[tuple, int] = {}  # (mesh id, placements) -> ranks splitting dim 0, or 0: no padding
+    paddings = []
+    for tensor, local in zip(tensors, local_tensors(tensors)):
+        if local is tensor:  # not a DTensor
+            paddings.append(0)
+            continue
+        spec = dtensor_spec(tensor)
+        key = (id(spec.mesh), spec.placements)
+        if key not in ranks_of_dim0:
+            on_dim0 = [d for d, p in enumerate(spec.placements) if isinstance(p, (Shard, StridedShard)) and p.dim == 0]
+            plain = len(on_dim0) == 1 and type(spec.placements[on_dim0[0]]) is Shard
+            ranks_of_dim0[key] = spec.mesh.size(on_dim0[0]) if plain else 0
+        rows = local.shape[0] if local.dim() else 0
+        padded_rows = -(-spec.shape[0] // ranks_of_dim0[key]) if ranks_of_dim0[key] else 0
+        paddings.append((padded_rows - rows) * (local.numel() // rows) if 0 < rows < padded_rows else 0)
+    return tuple(paddings)
+
+
+@dataclass(frozen=True)
+class _Sharding:
+    """What :func:`describe` derives from a (mesh, placements) pair, the same for all its tensors."""
+
+    placements: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...] | None
+    mesh_ranks: tuple[int, ...]
+    counted: bool
+    replicated_everywhere: bool
+    problem: tuple[str, str, str] | None  # (kind, placement, mesh dim) that cannot be counted, or not in the mesh
+
+
+def _sharding(mesh: DeviceMesh, placements: tuple, rank: int) -> _Sharding:
+    kinds = [_placement_kind(p) for p in placements]
+    coordinate = mesh.get_coordinate()
+    problem = next(
+        ((k, str(p), _dim_label(mesh, d)) for d, (k, p) in enumerate(zip(kinds, placements)) if k in ("partial", "unknown")),
+        None if coordinate is not None else ("outside", "", ""),
+    )
+    return _Sharding(
+        placements=tuple(str(p) for p in placements),
+        mesh_shape=tuple(mesh.shape),
+        mesh_dim_names=mesh.mesh_dim_names,
+        mesh_ranks=mesh_ranks(mesh) if coordinate is not None else (rank,),
+        counted=coordinate is not None and all(c == 0 for c, k in zip(coordinate, kinds) if k == "replicate"),
+        replicated_everywhere=all(k == "replicate" for k in kinds),
+        problem=problem,
+    )
+
+
+def _message(problem: tuple[str, str, str], name: str, rank: int) -> str:
+    kind, placement, dim = problem
+    if kind == "partial":
+        return (
+            f"gradient of {name} is Partial on mesh dim {dim} ({placement}): its local values are unreduced "
+            "pieces of a sum, and the norm of the pieces is not the norm of the sum. Reduce it first, e.g. "
+            "grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])."
+        )
+    if kind == "unknown":
+        return (
+            f"gradient of {name} has placement {placement} on mesh dim {dim}, which lightning_ndclip does not "
+            "know how to count."
+        )
+    return f"this rank ({rank}) is not part of the device mesh of {name}."
+
+
+def describe(tensor: torch.Tensor, name: str, rank: int, cache: dict[tuple, _Sharding] | None = None) -> TensorLayout:
     """Describe how this rank holds ``tensor`` (a gradient, or a parameter standing for it).
 
-    ``mesh_cache`` memoizes :func:`mesh_ranks` across the tensors of one analysis; the meshes it
-    is keyed on must stay alive while it is in use.
+    ``cache`` memoizes what depends only on the mesh and the placements across the tensors of one
+    analysis (keyed by the mesh's ``id``: the meshes must stay alive while it is in use).
     """
     if not isinstance(tensor, DTensor):
         signature: tuple = ("plain", tuple(tensor.shape), str(tensor.dtype))
         return TensorLayout(name, signature, (rank,), True, True)
 
     spec = dtensor_spec(tensor)
-    mesh = spec.mesh
-    kinds = [_placement_kind(p) for p in spec.placements]
-    coordinate = mesh.get_coordinate()
+    key = (id(spec.mesh), spec.placements)
+    sharding = None if cache is None else cache.get(key)
+    if sharding is None:
+        sharding = _sharding(spec.mesh, spec.placements, rank)
+        if cache is not None:
+            cache[key] = sharding
     signature = (
         "dtensor",
         tuple(tensor.shape),
         str(tensor.dtype),
-        tuple(str(p) for p in spec.placements),
-        tuple(mesh.shape),
-        mesh.mesh_dim_names,
+        sharding.placements,
+        sharding.mesh_shape,
+        sharding.mesh_dim_names,
     )
-    error = None
-    for dim, kind in enumerate(kinds):
-        if kind == "partial":
-            error = (
-                f"gradient of {name} is Partial on mesh dim {_dim_label(mesh, dim)} "
-                f"({spec.placements[dim]}): its local values are unreduced pieces of a sum, and the "
-                "norm of the pieces is not the norm of the sum. Reduce it first, e.g. "
-                "grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in "
-                "grad.placements])."
-            )
-            break
-        if kind == "unknown":
-            error = (
-                f"gradient of {name} has placement {spec.placements[dim]} on mesh dim "
-                f"{_dim_label(mesh, dim)}, which lightning_ndclip does not know how to count."
-            )
-            break
-    if coordinate is None:
-        error = error or f"this rank ({rank}) is not part of the device mesh of {name}."
-        counted = False
-    else:
-        counted = all(c == 0 for c, k in zip(coordinate, kinds) if k == "replicate")
     return TensorLayout(
         name=name,
         signature=signature,
-        mesh_ranks=mesh_ranks(mesh, mesh_cache) if coordinate is not None else (rank,),
-        counted_in_mesh=counted,
-        replicated_everywhere=all(k == "replicate" for k in kinds),
-        error=error,
+        mesh_ranks=sharding.mesh_ranks,
+        counted_in_mesh=sharding.counted,
+        replicated_everywhere=sharding.replicated_everywhere,
+        error=None if sharding.problem is None else _message(sharding.problem, name, rank),
     )

@@ -36,6 +36,7 @@ from lightning_ndclip._compat import view_base
 
 T = TypeVar("T")
 _DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
 
 
 @dataclass(frozen=True)
@@ -58,19 +59,21 @@ class Runs:
 
 def _spans(
     members: list[int],
-    locals_: Sequence[torch.Tensor],
+    numels: Sequence[int],
+    offsets: Sequence[int],
     origin: int,
     padding: Sequence[int] | None = None,
     buffer_numel: int = 0,
 ) -> tuple[tuple[int, int], ...]:
-    """Maximal ``[start, end)`` spans (relative to ``origin``) covered by adjacent ``members``,
-    which are sorted by storage offset. With ``padding``, a member also covers the padding declared
-    after it when that padding ends exactly where the next member (or the buffer) starts."""
-    starts = [int(locals_[m].storage_offset()) - origin for m in members] + [buffer_numel]
+    """Maximal ``[start, end)`` spans (relative to ``origin``) covered by adjacent ``members``
+    (tensors of ``numels`` elements at storage ``offsets``), which are sorted by offset. With
+    ``padding``, a member also covers the padding declared after it when that padding ends exactly
+    where the next member (or the buffer) starts."""
+    starts = [offsets[m] - origin for m in members] + [buffer_numel]
     spans: list[tuple[int, int]] = []
     for k, m in enumerate(members):
         start = starts[k]
-        end = start + int(locals_[m].numel())
+        end = start + numels[m]
         if padding and padding[m] and end + padding[m] == starts[k + 1]:
             end = starts[k + 1]
         if spans and spans[-1][1] == start:
@@ -205,45 +208,45 @@ class RunFinder:
     def _rebuild(
         self, locals_: Sequence[torch.Tensor], counted: Sequence[bool], padding: Sequence[int] | None
     ) -> None:
+        numels = list(map(torch.Tensor.numel, locals_))
+        offsets = list(map(torch.Tensor.storage_offset, locals_))
+        contiguous = list(map(torch.Tensor.is_contiguous, locals_))
+        kinds = list(zip(map(_DTYPE, locals_), map(_DEVICE, locals_)))
+        base_kinds: dict[int, tuple | None] = {}  # (dtype, device) of each contiguous buffer, None if not
         by_base: dict[int, list[int]] = {}
         singles: list[int] = []
-        for i, t in enumerate(locals_):
-            if t.numel() == 0:
+        for i, base in enumerate(map(view_base, locals_)):
+            if numels[i] == 0:
                 continue
-            base = view_base(t)
-            if (
-                base is not None
-                and base.is_contiguous()
-                and t.is_contiguous()
-                and base.dtype == t.dtype
-                and base.device == t.device
-            ):
-                by_base.setdefault(id(base), []).append(i)
-            else:
-                singles.append(i)
+            if base is not None and contiguous[i]:
+                if (key := id(base)) not in base_kinds:
+                    base_kinds[key] = (base.dtype, base.device) if base.is_contiguous() else None
+                if base_kinds[key] == kinds[i]:
+                    by_base.setdefault(key, []).append(i)
+                    continue
+            singles.append(i)
         groups: list[_Group] = []
         members_all: list[int] = []
         self._group_of, self._byte_offsets = [], []
         for members in by_base.values():
-            members.sort(key=lambda m: locals_[m].storage_offset())
-            ends = [locals_[m].storage_offset() + locals_[m].numel() for m in members]
-            overlapping = any(ends[k] > locals_[members[k + 1]].storage_offset() for k in range(len(members) - 1))
+            members.sort(key=offsets.__getitem__)
+            overlapping = any(offsets[a] + numels[a] > offsets[b] for a, b in zip(members, members[1:]))
             if len(members) == 1 or overlapping:
                 singles.extend(members)
                 continue
             base = _buffer(locals_[members[0]])
             origin = int(base.storage_offset())
             self._group_of.extend([len(groups)] * len(members))
-            self._byte_offsets.extend([(int(locals_[m].storage_offset()) - origin) * base.element_size() for m in members])
+            self._byte_offsets.extend([(offsets[m] - origin) * base.element_size() for m in members])
             members_all.extend(members)
             numel = int(base.numel())
-            scale_runs = _spans(members, locals_, origin, padding, numel)
+            scale_runs = _spans(members, numels, offsets, origin, padding, numel)
             groups.append(
                 _Group(
                     head=members[0],
                     numel=numel,
                     dtype=base.dtype,
-                    norm_runs=_spans([m for m in members if counted[m]], locals_, origin),
+                    norm_runs=_spans([m for m in members if counted[m]], numels, offsets, origin),
                     scale_runs=scale_runs,
                     tiles_buffer=scale_runs == ((0, numel),),
                 )

@@ -41,7 +41,7 @@ from lightning_ndclip._compat import (
     local_tensors,
 )
 from lightning_ndclip.core._cache import GrowingLRU
-from lightning_ndclip.core._layout import dim0_padding
+from lightning_ndclip.core._layout import dim0_paddings
 from lightning_ndclip.core._norm_plan import NormPlan, NormPlanError, build_plan
 from lightning_ndclip.core._runs import RunFinder
 
@@ -260,7 +260,7 @@ def _exchange(
             "ranks used different cached norm plans in the same call (their gradient layouts diverged after "
             f"agreeing earlier); every rank of a stage must pass gradients of the same layout: {error}"
         ) from error
-    return _CachedPlan(plan, specs=_specs(grads), padding=_padding(grads))
+    return _CachedPlan(plan, specs=_specs(grads), padding=dim0_paddings(grads))
 
 
 _PROBE_MARK = float(2**55)  # above any plan fingerprint (< 2**52), so no sum or max of them equals it
@@ -291,10 +291,6 @@ def _probe(size: int, is_inf: bool, group: dist.ProcessGroup | None, grads: Sequ
 
 class _PlansDiffer(Exception):
     """Ranks reduced with different plans (or one had none): they exchange plans and try again."""
-
-
-def _padding(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
-    return tuple(dim0_padding(t) for t in tensors)
 
 
 def _specs(tensors: Sequence[torch.Tensor]) -> tuple:
@@ -614,7 +610,7 @@ def _scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool |
 
 def _scale_runs(grads: Sequence[torch.Tensor], plans: NormPlans) -> list[torch.Tensor]:
     """The contiguous runs covering every local element of ``grads`` (see :mod:`lightning_ndclip.core._runs`)."""
-    finder, padding, _ = plans._scale_finders.get(_layout_key(grads), lambda: (RunFinder(), _padding(grads), _specs(grads)))
+    finder, padding, _ = plans._scale_finders.get(_layout_key(grads), lambda: (RunFinder(), dim0_paddings(grads), _specs(grads)))
     return finder.runs(_locals(grads), [True] * len(grads), padding).to_scale
 
 
