@@ -88,7 +88,7 @@ def dim0_paddings(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
     ranks_of_dim0: dict[tuple, int] = {}  # (mesh id, placements) -> ranks splitting dim 0, or 0: no padding
     paddings = []
     for tensor, local in zip(tensors, local_tensors(tensors)):
-        if local is tensor:  # not a DTensor
+        if not isinstance(tensor, DTensor):
             paddings.append(0)
             continue
         spec = dtensor_spec(tensor)

@@ -209,7 +209,7 @@ class RunFinder:
         self, locals_: Sequence[torch.Tensor], counted: Sequence[bool], padding: Sequence[int] | None
     ) -> None:
         numels = list(map(torch.Tensor.numel, locals_))
-        offsets = list(map(torch.Tensor.storage_offset, locals_))
+        offsets = cast("list[int]", list(map(torch.Tensor.storage_offset, locals_)))
         contiguous = list(map(torch.Tensor.is_contiguous, locals_))
         kinds = list(zip(map(_DTYPE, locals_), map(_DEVICE, locals_)))
         base_kinds: dict[int, tuple | None] = {}  # (dtype, device) of each contiguous buffer, None if not

@@ -187,7 +187,7 @@ def _layout_key(tensors: Sequence[torch.Tensor]) -> tuple:
     under the key holds the specs alive (``_specs``), so that no new spec can take one of those ids;
     plain tensors by shape and dtype. In C when all tensors are DTensors (no Python line per tensor)."""
     if all(map(isinstance, tensors, repeat(DTensor))):
-        return tuple(map(id, map(dtensor_spec, tensors)))
+        return tuple(map(id, map(dtensor_spec, cast("Sequence[DTensor]", tensors))))
     return tuple([id(dtensor_spec(t)) if isinstance(t, DTensor) else (t.shape, t.dtype) for t in tensors])
 
 
