@@ -14,8 +14,8 @@ only to itself (bidirectional attention within a packed sample). The model learn
 denoising: from ``x_t = (1 - t) x_0 + t noise`` and ``t`` it predicts ``noise - x_0``.
 
 Context parallel: the ranks of a ``cp`` group hold the same rows and each a part of every row
-(``shard_sequence``); ``context_parallel_attention`` gathers keys and values over the group, so a
-clip split between ranks still attends to all of itself. The loss is the mean over clips of each
+(``shard_sequence``); ``context_parallel_attention`` passes keys and values round the group (ring
+attention), so a clip split between ranks still attends to all of itself. The loss is the mean over clips of each
 clip's mean token loss (``loss_normalization="sample_mean"``), exact although a clip's tokens are
 spread over cp ranks, and clips over dp ranks and accumulated micro-batches.
 """

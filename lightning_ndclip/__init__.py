@@ -45,6 +45,7 @@ from lightning_ndclip.core.pipeline import (
 )
 from lightning_ndclip.core.reduce import sum_allreduce_hook, use_sum_reduction
 from lightning_ndclip.core.replicas import broadcast_replicas_
+from lightning_ndclip.core.ring_attention import ring_attention
 from lightning_ndclip.core.summary import ModuleRow, ParallelSummary, summarize
 
 _LIGHTNING_NAMES = ("GlobalMeanLoss", "GlobalNormClip", "NDParallelStrategy")
@@ -100,6 +101,7 @@ __all__ = [
     "loss_share",
     "model_units",
     "parallelize",
+    "ring_attention",
     "sample_ids_from_lengths",
     "schedule_stages",
     "shard_experts",

@@ -6,15 +6,23 @@ The ranks of a context-parallel (cp) group hold the same rows and each a part of
   causal attention) the sequence is cut into ``2 x cp`` chunks and rank ``r`` takes chunks ``r`` and
   ``2cp - 1 - r``, so every rank has the same amount of causal work. It also returns the global
   positions of the local tokens, which position embeddings and masks must use.
-* :func:`context_parallel_attention` all-gathers K and V (and their positions / sample ids) over
-  the cp group and attends the local queries to the whole sequence with the right mask (causal by
-  global position, and/or block-diagonal by packed sample). The all-gather's backward sums the K/V
-  gradients over the group and hands each rank its slice, so gradients are exact. (In our tests on
-  gloo with torch 2.13, ``torch.distributed.nn.functional.all_gather`` followed by a ``cat`` along
-  the sequence dim gave wrong K/V gradients, apparently because its all-to-all backward receives
-  non-contiguous gradient slices; it is right for a leading-dim gather. This module uses its own.) This is the CPU path: PyTorch's
-  ``context_parallel`` has no CPU support; it costs a full K/V per rank, which is fine for tests and
-  moderate sequence lengths.
+* :func:`context_parallel_attention` attends the local queries to the whole sequence with the right
+  mask (causal by global position, and/or block-diagonal by packed sample). How the ranks see each
+  other's K and V is ``kv_exchange``:
+
+  - ``"ring"`` (default): :func:`~lightning_ndclip.core.ring_attention.ring_attention`. K/V blocks go
+    round the cp ring point to point and each rank merges its blocks' results with the log-sum-exp
+    rule; the backward passes the dK/dV accumulators round the same way. O(S/cp) memory per rank.
+  - ``"all_gather"``: K and V (and their positions / sample ids) are all-gathered and attended in one
+    masked ``scaled_dot_product_attention``; the gather's backward sums the K/V gradients over the
+    group and hands each rank its slice. Memory per rank grows with the whole sequence ``S`` (a full
+    K/V and a ``local_seq x S`` score matrix). (In our tests on gloo with torch 2.13,
+    ``torch.distributed.nn.functional.all_gather`` followed by a ``cat`` along the sequence dim gave
+    wrong K/V gradients, apparently because its all-to-all backward receives non-contiguous gradient
+    slices; it is right for a leading-dim gather. This module uses its own.)
+
+  Both need only send/recv or all-gather / all-reduce, so they run on CPU/gloo, where PyTorch's
+  ``context_parallel`` does not.
 
 Parameters are replicated over cp; their gradients must be summed over cp (FSDP2 over
 ``dp_shard_cp`` with SUM reduction does it), and the loss normalized as in
@@ -23,9 +31,13 @@ Parameters are replicated over cp; their gradients must be summed over cp (FSDP2
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from lightning_ndclip.core.ring_attention import ring_attention
 
 __all__ = ["context_parallel_attention", "shard_sequence"]
 
@@ -102,6 +114,7 @@ def context_parallel_attention(
     positions: torch.Tensor,
     is_causal: bool = False,
     sample_ids: torch.Tensor | None = None,
+    kv_exchange: Literal["ring", "all_gather"] = "ring",
 ) -> torch.Tensor:
     """Exact attention of local queries over the whole (cp-sharded) sequence.
 
@@ -112,20 +125,42 @@ def context_parallel_attention(
         is_causal: mask keys at later global positions.
         sample_ids: ``[batch, local_seq]`` packed-sample ids of the local tokens (``-1`` padding):
             tokens attend only within their sample (padding queries attend to padding only).
+        kv_exchange: ``"ring"``: K/V blocks passed round the cp ring, O(S/cp) memory per rank
+            (:func:`~lightning_ndclip.core.ring_attention.ring_attention`, key tiles of 1024);
+            ``"all_gather"``: the whole K/V gathered on every rank, memory growing with S. Unused
+            without context parallelism (``group`` ``None`` or of size 1).
 
     Returns:
         ``[batch, heads, local_seq, head_dim]``, equal to the matching rows of single-device attention.
+
+    Raises:
+        ValueError: if ``kv_exchange`` is neither ``"ring"`` nor ``"all_gather"``.
     """
-    if group is not None and dist.get_world_size(group) > 1:
-        k, v = _gather(k, group, 2), _gather(v, group, 2)
-        kv_positions = _gather(positions, group, 0)
-        kv_ids = _gather(sample_ids, group, 1) if sample_ids is not None else None
-    else:
-        kv_positions, kv_ids = positions, sample_ids
+    if kv_exchange not in ("ring", "all_gather"):
+        raise ValueError(f"kv_exchange must be 'ring' or 'all_gather', got {kv_exchange!r}")
+    if group is None or dist.get_world_size(group) == 1:
+        return _masked_attention(q, k, v, positions, positions, sample_ids, sample_ids, is_causal)
+    if kv_exchange == "ring":
+        return ring_attention(q, k, v, group=group, positions=positions, is_causal=is_causal, sample_ids=sample_ids)
+    kv_ids = _gather(sample_ids, group, 1) if sample_ids is not None else None
+    return _masked_attention(
+        q, _gather(k, group, 2), _gather(v, group, 2), positions, _gather(positions, group, 0), sample_ids, kv_ids, is_causal
+    )
+
+
+def _masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    kv_positions: torch.Tensor,
+    sample_ids: torch.Tensor | None,
+    kv_ids: torch.Tensor | None,
+    is_causal: bool,
+) -> torch.Tensor:
     mask = None
     if is_causal:
-        mask = kv_positions[None, :] <= positions[:, None]  # [q, kv]
-        mask = mask[None, None]
+        mask = (kv_positions[None, :] <= positions[:, None])[None, None]  # [1, 1, q, kv]
     if sample_ids is not None and kv_ids is not None:
         same = (sample_ids[:, :, None] == kv_ids[:, None, :])[:, None]  # [batch, 1, q, kv]
         mask = same if mask is None else mask & same
