@@ -31,7 +31,6 @@ from lightning_ndclip.core._layout import dim0_padding
 from lightning_ndclip.core._runs import RunFinder
 
 RESULTS = Path(__file__).resolve().parent / "results"
-LINEARS_PER_UNIT = 4  # 8 parameters (weight + bias) per fully_shard unit
 WIDTH_FACTORS = (1.0, 0.8, 1.25, 0.9)  # unit widths d0 -> d1 -> d2 -> d3 -> d0 (relative)
 METHODS = ("ndclip", "ndclip_norm", "torch", "torchtitan")
 BUDGET_S = 1.5  # wall time per timed method; repetitions are reduced below --reps to fit it
@@ -45,13 +44,14 @@ except Exception as e:  # noqa: BLE001 - any import failure means "not available
 
 
 class Unit(nn.Module):
-    """A residual block of ``LINEARS_PER_UNIT`` linears: x + net(x)."""
+    """A residual block of ``linears`` linears (a multiple of 4) cycling through ``widths``: x + net(x)."""
 
-    def __init__(self, widths: list[int]) -> None:
+    def __init__(self, widths: list[int], linears: int) -> None:
         super().__init__()
+        cycle = [widths[k % len(widths)] for k in range(linears)]
         layers: list[nn.Module] = []
-        for k, (i, o) in enumerate(zip(widths, widths[1:] + widths[:1])):
-            layers += [nn.Linear(i, o)] + ([nn.ReLU()] if k < len(widths) - 1 else [])
+        for k, (i, o) in enumerate(zip(cycle, cycle[1:] + cycle[:1])):
+            layers += [nn.Linear(i, o)] + ([nn.ReLU()] if k < linears - 1 else [])
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,24 +69,28 @@ def unit_widths(elems_per_tensor: int, world: int, padded: bool = True) -> list[
     return [4 * round(s * x / 4) + (1 if k == 2 and padded else 0) for k, x in enumerate(f)]
 
 
-def build_model(layout: str, n_tensors: int, elems_per_tensor: int, world: int) -> nn.Module:
-    """A stack of ``fully_shard`` units with ~``n_tensors`` parameters, and one backward done.
+def build_model(layout: str, n_tensors: int, elems_per_tensor: int, world: int, tensors_per_unit: int = 8) -> nn.Module:
+    """A stack of ``fully_shard`` units of ``tensors_per_unit`` parameters each (a multiple of 8),
+    ~``n_tensors`` parameters in all, and one backward done.
 
     ``fsdp``: 1-D mesh (dp_shard=world). ``fsdp_even``: the same with every width a multiple of 4
-    (no FSDP padding). ``fsdp_tp``: (dp_shard=world/2, tp=2); in every unit the first two linears
-    are Colwise/Rowwise parallel (half the linears), the others live on the dp mesh only.
+    (no FSDP padding). ``fsdp_tp``: (dp_shard=world/2, tp=2); in every group of four linears the
+    first two are Colwise/Rowwise parallel (half the linears), the others live on the dp mesh only.
     """
     torch.manual_seed(0)
     widths = unit_widths(elems_per_tensor, world, padded=layout != "fsdp_even")
-    units = max(1, round(n_tensors / (2 * LINEARS_PER_UNIT)))
-    model = nn.Sequential(*(Unit(widths) for _ in range(units)))
+    linears = tensors_per_unit // 2
+    units = max(1, round(n_tensors / tensors_per_unit))
+    model = nn.Sequential(*(Unit(widths, linears) for _ in range(units)))
     if layout in ("fsdp", "fsdp_even"):
         dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     else:
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "tp"))
         dp_mesh = mesh["dp_shard"]
+        styles = ((0, ColwiseParallel()), (2, RowwiseParallel()))  # net[0], net[2]: the first two linears of four
+        plan = {str(8 * j + k): style for j in range(linears // 4) for k, style in styles}
         for unit in model:
-            parallelize_module(unit.net, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            parallelize_module(unit.net, mesh["tp"], plan)
     for unit in model:  # reshard_after_forward=False only makes the one backward cheaper
         fully_shard(unit, mesh=dp_mesh, reshard_after_forward=False)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
@@ -169,10 +173,10 @@ def time_methods(fns: dict, reps: int) -> dict[str, dict]:
     return out
 
 
-def bench_case(layout: str, n_tensors: int, args) -> dict:
+def bench_case(layout: str, n_tensors: int, tensors_per_unit: int, args) -> dict:
     """Time every method on one model; returns this rank's numbers."""
     t0 = time.perf_counter()
-    model = build_model(layout, n_tensors, args.elems_per_tensor, args.world_size)
+    model = build_model(layout, n_tensors, args.elems_per_tensor, args.world_size, tensors_per_unit)
     build_s = time.perf_counter() - t0
     params = [p for p in model.parameters() if p.grad is not None]
     numel = sum(g.numel() for g in local_grads(params))
@@ -194,7 +198,8 @@ def bench_case(layout: str, n_tensors: int, args) -> dict:
         "flat_clip": flat_clip(flat, args.world_size),
     }
     timed = time_methods({**{k: f for k, f in methods.items() if callable(f)}, **references}, args.reps)
-    out = {"layout": layout, "n_tensors": len(params), "local_mb": numel * 4 / 2**20, "build_s": build_s}
+    out = {"layout": layout, "per_unit": tensors_per_unit, "n_tensors": len(params), "local_mb": numel * 4 / 2**20,
+           "build_s": build_s}
     out.update({name: timed[name] if callable(fn) else {"error": fn} for name, fn in methods.items()})
     out.update({name: timed[name] for name in references})
     # correctness: ndclip's norm against torch's where torch works (coef is 1.0: grads unchanged)
@@ -241,16 +246,16 @@ def worker(rank: int, args, port: int, out_json: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
     rows = []
-    for layout in args.layouts:
-        for n in args.sizes:
-            mine = bench_case(layout, n, args)
-            gathered: list = [None] * args.world_size
-            dist.all_gather_object(gathered, mine)
-            rows.append(reduce_ranks(gathered))
-            if rank == 0:
-                r = rows[-1]
-                print(f"{layout:8s} N={r['n_tensors']:6d} built in {r['build_s']:.1f}s  ndclip "
-                      f"{r['ndclip'].get('ms', float('nan')):.2f} ms", flush=True)
+    cases = [(layout, n, u) for layout in args.layouts for u in args.tensors_per_unit for n in args.sizes]
+    for layout, n, per_unit in cases:
+        mine = bench_case(layout, n, per_unit, args)
+        gathered: list = [None] * args.world_size
+        dist.all_gather_object(gathered, mine)
+        rows.append(reduce_ranks(gathered))
+        if rank == 0:
+            r = rows[-1]
+            print(f"{layout:8s} N={r['n_tensors']:6d} ({per_unit}/unit) built in {r['build_s']:.1f}s  ndclip "
+                  f"{r['ndclip'].get('ms', float('nan')):.2f} ms", flush=True)
     if rank == 0:
         Path(out_json).write_text(json.dumps({"world_size": args.world_size, "args": vars(args), "rows": rows}, indent=1))
     dist.destroy_process_group()
@@ -266,7 +271,7 @@ def ratio(a: dict, b: dict | float) -> str:
 
 
 def write_markdown(data: dict, path: Path) -> None:
-    head = ("| layout | N tensors | local MB | runs norm/scale | ndclip ms | ndclip_norm ms | torch ms | "
+    head = ("| layout | tensors/unit | N tensors | local MB | runs norm/scale | ndclip ms | ndclip_norm ms | torch ms | "
             "torchtitan ms | floor ms (r + rw) | 1 all-reduce ms | flat clip ms | collectives ndclip/torch/titan | "
             "1st call s ndclip/torch | ndclip/floor | ndclip/flat clip | ndclip/torch | ndclip/torchtitan |")
     lines = [f"# Gradient norm + clip, {data['world_size']} ranks (CPU, gloo, 1 thread per rank)", "",
@@ -276,13 +281,14 @@ def write_markdown(data: dict, path: Path) -> None:
         coll = "/".join(str(r[m].get("collectives", "-")) for m in ("ndclip", "torch", "torchtitan"))
         first = "/".join(f"{r[m]['first_s']:.2f}" if "ms" in r[m] else "-" for m in ("ndclip", "torch"))
         lines.append(
-            f"| {r['layout']} | {r['n_tensors']} | {r['local_mb']:.1f} | {r['runs_norm']}/{r['runs_scale']} | "
+            f"| {r['layout']} | {r.get('per_unit', 8)} | {r['n_tensors']} | {r['local_mb']:.1f} | "
+            f"{r['runs_norm']}/{r['runs_scale']} | "
             f"{fmt(r['ndclip'])} | {fmt(r['ndclip_norm'])} | {fmt(r['torch'])} | {fmt(r['torchtitan'])} | "
             f"{r['floor_ms']:.2f} ({r['floor_r']['ms']:.2f} + {r['floor_rw']['ms']:.2f}) | {fmt(r['allreduce'])} | "
             f"{fmt(r['flat_clip'])} | {coll} | {first} | "
             f"{ratio(r['ndclip'], r['floor_ms'])} | {ratio(r['ndclip'], r['flat_clip'])} | {ratio(r['ndclip'], r['torch'])} | "
             f"{ratio(r['ndclip'], r['torchtitan'])} |")
-    errs = ", ".join(f"{r['layout']} N={r['n_tensors']}: {r['rel_err_vs_torch']:.1e}"
+    errs = ", ".join(f"{r['layout']} {r.get('per_unit', 8)}/unit N={r['n_tensors']}: {r['rel_err_vs_torch']:.1e}"
                      for r in data["rows"] if "ms" in r["torch"])
     ok = all(r["rel_err_vs_torch"] <= 1e-5 for r in data["rows"])
     lines += ["", f"Relative difference ndclip vs torch norm ({'OK' if ok else 'MISMATCH'}, tolerance 1e-5): "
@@ -295,10 +301,10 @@ def write_plot(data: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    layouts = list(dict.fromkeys(r["layout"] for r in data["rows"]))
-    fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4.5), squeeze=False)
-    for ax, layout in zip(axes[0], layouts):
-        rows = [r for r in data["rows"] if r["layout"] == layout]
+    panels = list(dict.fromkeys((r["layout"], r.get("per_unit", 8)) for r in data["rows"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (layout, per_unit) in zip(axes[0], panels):
+        rows = [r for r in data["rows"] if (r["layout"], r.get("per_unit", 8)) == (layout, per_unit)]
         for m in METHODS:
             pts = [(r["n_tensors"], r[m]["ms"]) for r in rows if "ms" in r[m]]
             if pts:
@@ -306,7 +312,7 @@ def write_plot(data: dict, path: Path) -> None:
         ax.plot([r["n_tensors"] for r in rows], [r["floor_ms"] for r in rows], "k--", label="floor (r + rw)")
         ax.plot([r["n_tensors"] for r in rows], [r["flat_clip"]["ms"] for r in rows], "k:", label="flat clip")
         ax.set(xscale="log", yscale="log", xlabel="gradient tensors per rank", ylabel="ms per call",
-               title=f"{layout}, {data['world_size']} ranks")
+               title=f"{layout}, {per_unit} tensors/unit, {data['world_size']} ranks")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -317,6 +323,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--sizes", type=int, nargs="+", default=[100, 1000, 3000, 10000], help="gradient tensors")
+    p.add_argument("--tensors-per-unit", type=int, nargs="+", default=[8],
+                   help="gradient tensors per fully_shard unit (multiples of 8): 8 = many small units")
     p.add_argument("--elems-per-tensor", type=int, default=2000, help="mean local float32 elements per tensor (fsdp)")
     p.add_argument("--layouts", nargs="+", choices=["fsdp", "fsdp_even", "fsdp_tp"], default=["fsdp", "fsdp_even", "fsdp_tp"])
     p.add_argument("--reps", type=int, default=20, help="timed calls per method (fewer if slow)")
@@ -327,7 +335,10 @@ def main() -> None:
         p.error("fsdp_tp needs an even --world-size")
     # Fresh ranks per case: after a larger model in the same process, ndclip ran slower on
     # N = 1,000 (ndclip 4.0 -> 5.1-6.0 ms at 2 ranks), its objects scattered over a bigger heap.
-    cases = [{"layouts": [layout], "sizes": [n]} for layout in args.layouts for n in args.sizes]
+    if any(u % 8 for u in args.tensors_per_unit):
+        p.error("--tensors-per-unit takes multiples of 8")
+    cases = [{"layouts": [layout], "sizes": [n], "tensors_per_unit": [u]}
+             for layout in args.layouts for u in args.tensors_per_unit for n in args.sizes]
     spawn_and_report(worker, args, RESULTS / f"norm_{args.world_size}ranks", write_markdown, write_plot, cases)
 
 

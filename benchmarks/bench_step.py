@@ -390,7 +390,8 @@ def write_markdown(data: dict, path: Path) -> None:
     extra = any("nd_noclip" in r for r in data["rows"])
     head = ("| layout | blocks | N grad tensors | local MB | step ms (a) lightning_clip | (b) ndclip | "
             "(c) ndclip_modules | (d) noclip | " + ("(e) nd_noclip | " if extra else "") +
-            "step (b)/(a) | step (c)/(a) | step (b)/(d) | step (a)/(d) | clip ms (a) | clip ms (b) | "
+            "step (b)/(a) | step (c)/(a) | step (b)/(d) | step (a)/(d) | " + ("step (b)/(e) | " if extra else "") +
+            "clip ms (a) | clip ms (b) | "
             "clip ms (c) | clip (b)/(a) | clip (c)/(a) |")
     units = "one per block" if a["fsdp_units"] == 0 else f"{a['fsdp_units']} units of consecutive blocks"
     lines = [
@@ -411,7 +412,8 @@ def write_markdown(data: dict, path: Path) -> None:
         (f"* (c) (b) with `GlobalNormClip(1.0, log_module_depth={a['log_module_depth']})`: per-tensor norms in "
          "the same all-reduce, grouped per module and logged"),
         "* (d) `ModelParallelStrategy` without clipping: the step itself",
-        *(["* (e) `NDParallelStrategy` without clipping"] if extra else []),
+        *(["* (e) `NDParallelStrategy` without clipping: (b)/(e) is GlobalNormClip's whole cost in the step"]
+          if extra else []),
         (f"* one model and FSDP2 layout for all methods: {HEADS}-head attention + MLP blocks (width {WIDTH}, "
          f"{TENSORS_PER_BLOCK} gradient tensors each), FSDP2 {units} + the root; `fsdp`: dp_shard={world}; "
          f"`fsdp_tp`: dp_shard={world // 2} x tp=2, every block's MLP Colwise/Rowwise parallel, the rest "
@@ -428,6 +430,7 @@ def write_markdown(data: dict, path: Path) -> None:
             + (f"{fmt(c['nd_noclip'], notes)} | " if extra else "") +
             f"{ratio(c['ndclip'], c['lightning_clip'])} | {ratio(c['ndclip_modules'], c['lightning_clip'])} | "
             f"{ratio(c['ndclip'], c['noclip'])} | {ratio(c['lightning_clip'], c['noclip'])} | "
+            + (f"{ratio(c['ndclip'], c['nd_noclip'])} | " if extra else "") +
             f"{clip(c['lightning_clip'])} | {clip(c['ndclip'])} | {clip(c['ndclip_modules'])} | "
             f"{clip_ratio(c['ndclip'], c['lightning_clip'])} | {clip_ratio(c['ndclip_modules'], c['lightning_clip'])} |")
     lines += [""] + [f"[{k + 1}] {n}" for k, n in enumerate(notes)] + [""]
