@@ -1,7 +1,7 @@
 """Train a tiny video diffusion transformer with NDParallelStrategy (FSDP2 x context parallel), the
 exact per-sample mean loss, GlobalNormClip(1.0) and TensorBoard, on video latents it generates itself.
 
-    python examples/train_video_dit.py                         # 4 CPU ranks: dp_shard=2 x cp=2, ~40 s on 2 cores
+    python examples/train_video_dit.py                         # 4 CPU ranks: dp_shard=2 x cp=2, ~30 s on 2 cores
     python examples/train_video_dit.py --devices 2 --cp 2      # context parallel only
     python examples/train_video_dit.py --devices 1 --cp 1 --batch-size 8   # one device: the same losses and norms
     python examples/train_video_dit.py --accelerator gpu --devices 8 --cp 4 --width 512 --layers 8
