@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import lightning_ndclip as nd
+from lightning_ndclip._compat import flatten_mesh
 from lightning_ndclip.core.context import context_parallel_attention, shard_sequence
 from lightning_ndclip.core.loss import count_valid_tokens, sync_sample_weights, sync_token_count
 
@@ -140,7 +141,7 @@ def _model_case(kind: str, dp: int, cp: int) -> float:
     batch = _video_batch(4) if kind == "video" else _packed_batch(8, 4)
     ref_grads, ref_norm = _reference(kind, batch)
     mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
-    loss_mesh = mesh._flatten("dp_cp")
+    loss_mesh = flatten_mesh(mesh, "dp_cp")
     model = TinyTransformer(None if kind == "video" else 13)
     fully_shard(model, mesh=loss_mesh)
     nd.use_sum_reduction(model)

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from lightning_ndclip._compat import flatten_mesh
 from lightning_ndclip.core.loss import count_valid_tokens, sync_sample_weights, sync_token_count
 from lightning_ndclip.core.reduce import use_sum_reduction
 from lightning_ndclip.lightning.metrics import GlobalMeanLoss
@@ -54,7 +55,7 @@ def _token_mean_case(shape: tuple[int, int, int], micro_batches: int, biased: bo
     dp_rank = mesh["dp_replicate"].get_local_rank() * dp_shard + mesh["dp_shard"].get_local_rank()
     mine = [_shard_rows(b, dp_rank, dp) for b in window]
 
-    loss_group = dp_mesh._flatten("loss").get_group() if dp_replicate > 1 else dp_mesh.get_group()
+    loss_group = flatten_mesh(dp_mesh, "loss").get_group() if dp_replicate > 1 else dp_mesh.get_group()
     count = sync_token_count([count_valid_tokens(b["labels"]) for b in mine], group=loss_group)
     metric = GlobalMeanLoss(process_group=loss_group)
     for m, b in enumerate(mine):
@@ -98,7 +99,7 @@ def _hierarchical_case(biased: bool) -> float:
     reference = _reference_grads(window, hierarchical=True)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     model = TokenModel()
-    loss_mesh = mesh._flatten("dp_cp")
+    loss_mesh = flatten_mesh(mesh, "dp_cp")
     for name in ("embed", "up", "down", "head"):
         fully_shard(getattr(model, name), mesh=loss_mesh)
     fully_shard(model, mesh=loss_mesh)
