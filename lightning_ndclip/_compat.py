@@ -34,6 +34,7 @@ __all__ = [
     "PRIVATE_NAMES",
     "StridedShard",
     "all_to_all_autograd",
+    "applies_grad_scale",
     "batches_that_stepped",
     "checkpoint_wrapper",
     "concatenate_meshes",
@@ -75,6 +76,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "concatenate_meshes": ("torch.distributed.device_mesh:DeviceMesh._concatenate",),
     "root_mesh": ("torch.distributed.device_mesh:DeviceMesh._get_root_mesh",),
     "all_to_all_autograd": ("torch.distributed._functional_collectives:all_to_all_single_autograd",),
+    "applies_grad_scale": ("torch.optim:Adam._step_supports_amp_scaling",),
     # Lightning
     "materialize_distributed_module": ("lightning.fabric.utilities.init:_materialize_distributed_module",),
     "optimizers_to_device": ("lightning.fabric.utilities.optimizer:_optimizers_to_device",),
@@ -162,6 +164,15 @@ def unflatten_mesh(mesh: DeviceMesh, dim: int, sizes: tuple[int, ...], names: tu
 def concatenate_meshes(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
     """A mesh whose dims are those of ``meshes``, views of one root (same reason)."""
     return DeviceMesh._concatenate(list(meshes))
+
+
+def applies_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` applies the ``grad_scale`` and ``found_inf`` attributes that
+    ``GradScaler`` sets (torch's ``fused=True`` Adam, AdamW, SGD and Adagrad): it divides every
+    gradient by ``grad_scale`` in its own pass, writes it back, and leaves parameters and state
+    unchanged where ``found_inf`` is 1 (reason: the flag ``GradScaler`` and Lightning's AMP plugin
+    read; no public accessor)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 root_mesh: Callable[[DeviceMesh], DeviceMesh] = operator.methodcaller("_get_root_mesh")

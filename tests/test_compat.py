@@ -55,6 +55,7 @@ INSTANCES: dict[type, Callable[[], object]] = {
     _TrainingEpochLoop: lambda: _trainer().fit_loop.epoch_loop,
     nn.Module: nn.Module,
     Callback: Callback,
+    torch.optim.Adam: lambda: torch.optim.Adam([nn.Parameter(torch.zeros(1))], fused=True),
 }
 
 

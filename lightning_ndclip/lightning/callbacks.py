@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import operator
 import re
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -16,6 +17,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_ndclip import _compat
@@ -34,14 +36,15 @@ class GlobalNormClip(Callback):
     fp16 grad scaler's unscale, before ``optimizer.step()``. The norm is computed by
     :func:`lightning_ndclip.grad_norms` over the optimizer's parameters (one all-reduce once the
     layout is known), and gradients are scaled by :math:`\min(1, \text{max\_norm}/(\text{norm} +
-    10^{-6}))`, a device tensor.
+    10^{-6}))`, a device tensor, by the callback or, folded, by a fused optimizer in its own pass.
 
     Args:
         max_norm: the maximum global norm.
         norm_type: p of the p-norm (any ``p > 0``, or ``inf``).
         nonfinite: what to do when the norm is ``nan`` or ``inf`` (decided identically on every rank,
-            since the norm is): ``"skip"`` (default) drops every gradient (``grad = None``) so the
-            optimizer leaves parameters and state unchanged, counts the step in
+            since the norm is): ``"skip"`` (default) drops every gradient (``grad = None``; or sets
+            ``found_inf`` when folded, see ``fold_into_optimizer``) so the optimizer leaves
+            parameters and state unchanged, counts the step in
             ``grad_norm/skipped_steps`` and warns; ``"raise"`` raises ``RuntimeError``; ``"clip"``
             scales anyway (gradients become non-finite, as with PyTorch). ``"skip"`` and ``"raise"``
             read one boolean on the host per step, and first compute a non-finite norm again with
@@ -58,8 +61,24 @@ class GlobalNormClip(Callback):
         expert_pattern: also log ``grad_norm/expert`` and ``grad_norm/dense``: the exact norms of
             the parameters whose name matches this regular expression (e.g. ``r"\.experts\."``) and
             of all others.
+        fold_into_optimizer: let the optimizer apply the clip: an optimizer that reads the
+            ``grad_scale`` and ``found_inf`` attributes ``GradScaler`` sets (torch's Adam, AdamW,
+            SGD and Adagrad with ``fused=True``) gets ``grad_scale = 1 / coef`` and divides every
+            gradient by it in its own pass, writing it back, so ``p.grad`` ends clipped as without
+            folding (up to one rounding of ``1 / coef``), one pass over the gradients fewer; with
+            ``nonfinite="skip"`` a non-finite step is skipped on the device through ``found_inf``
+            (``1``) instead of by dropping every gradient. The attributes are removed after the
+            step. ``None`` (default): fold wherever the optimizer supports it, unless the norm is
+            accumulated in float64 (the coefficient travels in float32, as ``GradScaler``'s
+            scale does); ``True``: also raise ``ValueError`` at fit start for an optimizer that does
+            not support it; ``False``: never fold.
         pp_mesh, tied_parameters, process_group, accumulate_dtype: as in
             :func:`lightning_ndclip.clip_grad_norm_`.
+
+    Under an fp16 ``GradScaler`` (``"16-mixed"``), Lightning unscales the gradients before this
+    callback for every optimizer except those that unscale in their own step (the fused ones); for
+    those the callback calls ``scaler.unscale_(optimizer)`` itself, so the norm is always that of
+    the true gradients.
 
     The callback keeps its own :class:`lightning_ndclip.NormPlans` (the plan of each gradient layout)
     for as long as it lives.
@@ -92,6 +111,7 @@ class GlobalNormClip(Callback):
         tied_parameters: Mapping[str, torch.Tensor] | None = None,
         process_group: dist.ProcessGroup | None = None,
         accumulate_dtype: torch.dtype | None = None,
+        fold_into_optimizer: bool | None = None,
     ) -> None:
         if not max_norm > 0:
             raise ValueError(f"GlobalNormClip(max_norm=...) must be > 0, got {max_norm}")
@@ -108,6 +128,7 @@ class GlobalNormClip(Callback):
         self.log_module_depth = log_module_depth
         self.log_name_filter = re.compile(log_name_filter) if log_name_filter else None
         self.expert_pattern = re.compile(expert_pattern) if expert_pattern else None
+        self.fold_into_optimizer = fold_into_optimizer
         self._norm_kwargs = {
             "pp_mesh": pp_mesh,
             "tied_parameters": tied_parameters,
@@ -120,6 +141,9 @@ class GlobalNormClip(Callback):
         self._clipped: torch.Tensor | None = None  # device tensor: steps with a finite norm and coef < 1
         self._groupings: dict[str, tuple[tuple[str, ...], list[str], torch.Tensor]] = {}
         self._named_cache: list[tuple[str, torch.Tensor]] | None = None
+        # per optimizer: the handle of the step post-hook that removes what _fold set, and what it set
+        self._unfold_hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, RemovableHandle] = weakref.WeakKeyDictionary()
+        self._folded: dict[int, tuple[str, ...]] = {}
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -142,6 +166,20 @@ class GlobalNormClip(Callback):
                 "exact norm can be computed. Use FSDP2 (fully_shard), e.g. with ModelParallelStrategy or "
                 "NDParallelStrategy, or keep FSDPStrategy with Trainer(gradient_clip_val=...)"
             )
+        if self.fold_into_optimizer:
+            unable = [type(o).__name__ for o in trainer.optimizers if not _compat.applies_grad_scale(o)]
+            if unable:
+                raise ValueError(
+                    f"GlobalNormClip(fold_into_optimizer=True): the optimizers {unable} do not apply a "
+                    "grad_scale in their step; use torch.optim's Adam, AdamW, SGD or Adagrad with fused=True, "
+                    "or fold_into_optimizer=None (fold where possible) or False"
+                )
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for handle in self._unfold_hooks.values():
+            handle.remove()
+        self._unfold_hooks.clear()
 
     @property
     def seen_steps(self) -> int:
@@ -177,6 +215,9 @@ class GlobalNormClip(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and _compat.applies_grad_scale(optimizer) and any(p.grad is not None for p in params):
+            scaler.unscale_(optimizer)  # Lightning leaves these scaled (their step unscales); the norm needs them true
         named = self._named(pl_module, params)
         log_now = self._should_log(trainer)
         per_tensor = log_now and any(
@@ -197,26 +238,59 @@ class GlobalNormClip(Callback):
             **kwargs,
         )
         total = norms.total
+        coef = norms.clip_coef(self.max_norm)
+        fold = self._can_fold(optimizer, total)
         if self.nonfinite != "clip" and not bool(torch.isfinite(total)):
-            coef = norms.clip_coef(self.max_norm)
             if self.nonfinite == "raise":
                 raise RuntimeError(
                     f"GlobalNormClip: the global gradient norm is {float(total)} at step "
                     f"{trainer.global_step} (raised on every rank; nonfinite='skip' skips such steps)"
                 )
-            for p in params:
-                p.grad = None
+            if fold:
+                self._fold(optimizer, found_inf=torch.ones((), dtype=torch.float32, device=total.device), scaler=scaler)
+            else:
+                for p in params:
+                    p.grad = None
             self.skipped_steps += 1
             rank_zero_warn(  # every rank skips alike: one warning for the job
                 f"GlobalNormClip: non-finite global gradient norm at step {trainer.global_step}; the "
                 f"optimizer step is skipped on every rank ({self.skipped_steps} skipped so far)",
                 category=RuntimeWarning,
             )
+        elif fold:
+            self._fold(optimizer, grad_scale=(1.0 / coef).to(torch.float32), scaler=scaler)
         else:
-            coef = norms.clip_(self.max_norm)
+            norms.clip_(self.max_norm)
         self._count(total, coef)
         if log_now:
             self._log(pl_module, norms, coef)
+
+    def _can_fold(self, optimizer: torch.optim.Optimizer, total: torch.Tensor) -> bool:
+        """Whether this step's clip is left to ``optimizer`` (see ``fold_into_optimizer``)."""
+        return (
+            self.fold_into_optimizer is not False
+            and _compat.applies_grad_scale(optimizer)
+            and (self.fold_into_optimizer or total.dtype != torch.float64)
+            and not hasattr(optimizer, "grad_scale")  # someone else uses the protocol this step
+            and not hasattr(optimizer, "found_inf")
+        )
+
+    def _fold(self, optimizer: torch.optim.Optimizer, scaler: Any, **values: torch.Tensor) -> None:
+        """Set ``values`` (``grad_scale`` / ``found_inf``) on ``optimizer`` for its next step. A
+        ``GradScaler`` removes them after the step it drives (multiplying its scale into
+        ``grad_scale``, replacing ``found_inf`` with its own, which a non-finite gradient also sets);
+        otherwise a step post-hook registered once per optimizer removes them."""
+        for name, value in values.items():
+            setattr(optimizer, name, value)
+        if scaler is None:
+            self._folded[id(optimizer)] = tuple(values)
+            if optimizer not in self._unfold_hooks:
+                self._unfold_hooks[optimizer] = optimizer.register_step_post_hook(self._unfold)
+
+    def _unfold(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for name in self._folded.pop(id(optimizer), ()):
+            if hasattr(optimizer, name):
+                delattr(optimizer, name)
 
     def _named(self, pl_module: pl.LightningModule, params: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """``(name, parameter)`` for the optimizer's parameters, cached while they stay the same."""

@@ -1,0 +1,210 @@
+"""GlobalNormClip handing the clip to a fused optimizer (``grad_scale`` / ``found_inf``, the protocol of
+``GradScaler``), and under an fp16 ``GradScaler``: trained parameters, logged norms and the gradients
+the optimizer saw equal one float64 device running ``torch.nn.utils.clip_grad_norm_``."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from harness import run_on_ranks
+from helpers import use_existing_process_group
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import ModelParallelStrategy
+from test_callbacks import Recorder, _data
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader
+
+from lightning_ndclip import GlobalNormClip
+
+STEPS, LOCAL_BATCH, LR, MAX_NORM = 4, 2, 0.05, 0.3
+
+
+def _mlp(dtype: torch.dtype) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 6), nn.Tanh(), nn.Linear(6, 3)).to(dtype)
+
+
+class _Module(L.LightningModule):
+    def __init__(self, fused: bool, nonfinite_step: int | None = None, fsdp: bool = False) -> None:
+        super().__init__()
+        self.net = _mlp(torch.float32)
+        self.fused, self.nonfinite_step, self.fsdp = fused, nonfinite_step, fsdp
+
+    def configure_model(self) -> None:
+        if self.fsdp:
+            for i in (0, 2, 4):
+                fully_shard(self.net[i], mesh=self.device_mesh["data_parallel"])
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch, batch_idx):
+        x, y = (t.float() for t in batch)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        return loss * math.inf if batch_idx == self.nonfinite_step else loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=LR, fused=self.fused, foreach=False if not self.fused else None)
+
+    def train_dataloader(self):
+        return DataLoader(_data(), batch_size=LOCAL_BATCH, shuffle=False)
+
+
+class _Spy(Callback):
+    """Runs after GlobalNormClip: what it left on the optimizer, and (after the step) whether it was
+    removed and the gradients the optimizer wrote back."""
+
+    def __init__(self) -> None:
+        self.folded: list[dict[str, float]] = []
+        self.left_over: list[bool] = []
+        self.grads: list[torch.Tensor] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.folded.append({k: float(getattr(optimizer, k)) for k in ("grad_scale", "found_inf") if hasattr(optimizer, k)})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        optimizer = trainer.optimizers[0]
+        self.left_over.append(hasattr(optimizer, "grad_scale") or hasattr(optimizer, "found_inf"))
+        grads = [p.grad for p in pl_module.net.parameters()]
+        if all(g is not None for g in grads):
+            full = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]
+            self.grads.append(torch.cat([g.reshape(-1) for g in full]).double())
+
+
+def _reference(dp: int, nonfinite_step: int | None = None) -> dict:
+    """One float64 device, the same global batches (in the order of the DistributedSampler Lightning
+    injects: shuffled with seed 0; rank r takes every dp-th index from r), torch's clip, AdamW."""
+    model = _mlp(torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    x, y = _data().tensors
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0)).tolist() if dp > 1 else range(len(x))
+    norms, grads = [], []
+    for step in range(STEPS):
+        idx = [order[(step * LOCAL_BATCH + j) * dp + r] for r in range(dp) for j in range(LOCAL_BATCH)]
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        if step != nonfinite_step:
+            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+            opt.step()
+    return {"norms": norms, "grads": grads, "params": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+def _fit(devices: int, fused: bool, fold: bool | None = None, nonfinite_step: int | None = None) -> dict:
+    use_existing_process_group()
+    recorder, spy = Recorder(), _Spy()
+    module = _Module(fused, nonfinite_step, fsdp=devices > 1)
+    strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1) if devices > 1 else "auto"
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=recorder, log_every_n_steps=1,
+        callbacks=[GlobalNormClip(MAX_NORM, fold_into_optimizer=fold), spy], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*non-finite", category=RuntimeWarning)
+        trainer.fit(module)
+    opt = trainer.optimizers[0]
+    return {
+        "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m],
+        "folded": spy.folded,
+        "left_over": spy.left_over,
+        "grads": spy.grads,
+        "steps": sorted({int(s["step"]) for s in opt.state.values()}),
+        "params": {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in module.net.named_parameters()},
+    }
+
+
+def _assert_matches(result: dict, ref: dict, skipped: int | None = None, tol: float = 1e-5) -> None:
+    """Norms, gradients after each step (clipped) and parameters; at step ``skipped`` the norm is
+    not finite and the step is not compared."""
+    assert len(result["norms"]) == STEPS
+    for step, (ours, theirs) in enumerate(zip(result["norms"], ref["norms"])):
+        assert not math.isfinite(ours) if step == skipped else abs(ours - theirs) <= tol * theirs
+    grads = [g for g in result["grads"] if g.isfinite().all()]
+    assert len(grads) == len(ref["grads"]) == STEPS - (skipped is not None)
+    for ours, theirs in zip(grads, ref["grads"]):  # p.grad after the step: clipped
+        assert (ours - theirs).abs().max() <= tol * theirs.abs().max()
+    for name, value in result["params"].items():
+        assert torch.allclose(value.double(), ref["params"][name], rtol=tol, atol=tol), name
+
+
+@pytest.mark.parametrize("devices", [1, 2], ids=["one-device", "fsdp2"])
+def test_folded_clip_matches_one_float64_device(devices):
+    ref = _reference(devices)
+    assert max(ref["norms"]) > MAX_NORM, "clipping should be active"
+    folded = run_on_ranks(devices, _fit, devices, True)
+    scaled = run_on_ranks(devices, _fit, devices, False)
+    for result in folded:
+        _assert_matches(result, ref)
+        coefs = [1 / f["grad_scale"] for f in result["folded"]]
+        assert [set(f) for f in result["folded"]] == [{"grad_scale"}] * STEPS
+        assert coefs == pytest.approx([min(1.0, MAX_NORM / (n + 1e-6)) for n in ref["norms"]], rel=1e-6)
+        assert result["left_over"] == [False] * STEPS  # removed after each step
+    for result in scaled:  # a foreach AdamW: the callback scales the gradients itself
+        _assert_matches(result, ref)
+        assert result["folded"] == [{}] * STEPS
+    # the folded step is the unfolded one, up to float32 rounding
+    for a, b in zip(folded[0]["params"].values(), scaled[0]["params"].values()):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_folded_skip_leaves_parameters_and_state_on_the_device():
+    ref = _reference(2, nonfinite_step=1)
+    for result in run_on_ranks(2, _fit, 2, True, None, 1):
+        _assert_matches(result, ref, skipped=1)
+        assert result["folded"][1] == {"found_inf": 1.0}  # gradients kept, the kernel skips
+        assert result["steps"] == [STEPS - 1]  # the skipped step does not count in Adam's state
+
+
+def _required_without_fused() -> str:
+    with pytest.raises(ValueError) as info:
+        _fit(1, fused=False, fold=True)
+    return str(info.value)
+
+
+def test_fold_can_be_required_or_refused():
+    (message,) = run_on_ranks(1, _required_without_fused)
+    assert "fold_into_optimizer=True" in message and "['AdamW']" in message and "fused=True" in message
+    (result,) = run_on_ranks(1, _fit, 1, True, False)
+    assert result["folded"] == [{}] * STEPS
+    _assert_matches(result, _reference(1))
+
+
+class _ScaledModule(_Module):
+    def __init__(self, fused: bool) -> None:
+        super().__init__(fused)
+        self.seen: list[float] = []
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:  # after the step: the gradients it applied
+        self.seen.append(float(torch.cat([p.grad.reshape(-1) for p in self.parameters()]).norm()))
+
+
+def _fit_with_scaler(fused: bool) -> dict:
+    use_existing_process_group()
+    recorder, module = Recorder(), _ScaledModule(fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], max_steps=STEPS,
+        logger=recorder, log_every_n_steps=1, callbacks=[GlobalNormClip(MAX_NORM)], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module)
+    norms = [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m]
+    return {"norms": norms, "seen": module.seen, "params": [p.detach().clone() for p in module.parameters()]}
+
+
+def test_fused_optimizer_under_grad_scaler_is_normed_unscaled():
+    """Lightning does not unscale a fused optimizer's gradients before the callbacks (its step does):
+    the norm would be 2**10 times too large. The callback unscales them, so both optimizers see the
+    same norms and make the same steps."""
+    (fused,), (plain,) = run_on_ranks(1, _fit_with_scaler, True), run_on_ranks(1, _fit_with_scaler, False)
+    assert len(fused["norms"]) == STEPS and all(math.isfinite(n) for n in fused["norms"])
+    assert fused["norms"] == pytest.approx(plain["norms"], rel=1e-6)
+    assert max(plain["norms"]) > MAX_NORM and max(plain["norms"]) < 100  # true, unscaled norms that clip
+    assert fused["seen"] == pytest.approx([min(n, MAX_NORM) for n in plain["norms"]], rel=1e-5)
+    for a, b in zip(fused["params"], plain["params"]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
