@@ -39,7 +39,8 @@ gradient). Nothing of size ``S``.
 
 **Masks and precision** as :func:`~lightning_ndclip.core.context.context_parallel_attention`: causal
 by global position, block-diagonal by packed sample id (``-1``: padding, which attends to padding).
-Key tiles that are entirely masked for every local query are skipped. float32 / float64 inputs are
+Key tiles that are entirely masked for every local query are skipped; which ones is read on the
+host once per key block (one device synchronization per ring step, not one per tile). float32 / float64 inputs are
 computed in their dtype; float16 / bfloat16 ones in float32 (scores, merge, gradient accumulators,
 dK/dV in transit), the output and gradients cast back.
 """
@@ -145,22 +146,39 @@ def _meta(positions: torch.Tensor, sample_ids: torch.Tensor | None) -> torch.Ten
     return torch.cat([r.to(torch.int64) for r in rows])
 
 
+def _tile_mask(q_meta: torch.Tensor, kv_meta: torch.Tensor, cols: slice, is_causal: bool) -> torch.Tensor | None:
+    """``[batch or 1, 1, queries, keys]``, True where a local query may not attend to a key of the
+    ``cols`` tile; ``None`` when it may attend to every one."""
+    masked = None
+    if is_causal:
+        masked = (kv_meta[0, None, cols] > q_meta[0, :, None])[None, None]
+    if q_meta.shape[0] > 1:
+        other = (q_meta[1:, :, None] != kv_meta[1:, None, cols])[:, None]
+        masked = other if masked is None else masked | other
+    return masked
+
+
+def _all(masked: torch.Tensor | None) -> torch.Tensor:
+    assert masked is not None  # causal or packed: there is a mask
+    return masked.all()
+
+
 def _tiles(
     q_meta: torch.Tensor, kv_meta: torch.Tensor, is_causal: bool, tile: int | None
 ) -> Iterator[tuple[slice, torch.Tensor | None]]:
-    """``(key columns, masked)`` of every key tile of a block that some local query may attend to;
-    ``masked`` (``[batch or 1, 1, queries, keys]``, True = may not attend) is ``None`` when nothing is."""
+    """``(key columns, masked)`` of every key tile of a block that some local query may attend to
+    (see :func:`_tile_mask`). Which tiles are entirely masked is read on the host once per block,
+    for all its tiles together (one device synchronization per block, not one per tile)."""
     length = kv_meta.shape[1]
-    for start in range(0, length, tile or length):
-        cols = slice(start, start + (tile or length))
-        masked = None
-        if is_causal:
-            masked = (kv_meta[0, None, cols] > q_meta[0, :, None])[None, None]
-        if q_meta.shape[0] > 1:
-            other = (q_meta[1:, :, None] != kv_meta[1:, None, cols])[:, None]
-            masked = other if masked is None else masked | other
-        if masked is None or not bool(masked.all()):
-            yield cols, masked
+    spans = [slice(start, start + (tile or length)) for start in range(0, length, tile or length)]
+    if not is_causal and q_meta.shape[0] == 1:
+        yield from ((cols, None) for cols in spans)
+        return
+    # one tile's mask at a time, here and below: no block-sized mask is ever held
+    skipped = torch.stack([_all(_tile_mask(q_meta, kv_meta, cols, is_causal)) for cols in spans]).tolist()
+    for cols, skip in zip(spans, skipped):
+        if not skip:
+            yield cols, _tile_mask(q_meta, kv_meta, cols, is_causal)
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
