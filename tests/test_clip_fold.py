@@ -208,3 +208,29 @@ def test_fused_optimizer_under_grad_scaler_is_normed_unscaled():
     assert fused["seen"] == pytest.approx([min(n, MAX_NORM) for n in plain["norms"]], rel=1e-5)
     for a, b in zip(fused["params"], plain["params"]):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _overflowing_scaler(fused: bool) -> dict:
+    use_existing_process_group()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)  # fp16 gradients overflow in the first steps
+    clip = GlobalNormClip(MAX_NORM, nonfinite="raise")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], max_steps=STEPS,
+        logger=False, callbacks=[clip], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_Module(fused))
+    return {"skipped": clip.skipped_steps, "scale": scaler.get_scale(),
+            "warned": [str(w.message) for w in caught if "non-finite" in str(w.message)]}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "for-loop"])
+def test_grad_scaler_overflow_is_counted_not_raised(fused):
+    """A GradScaler's overflow steps (routine while it finds its scale) are skipped by the scaler; the
+    callback counts them and neither raises (nonfinite='raise') nor warns."""
+    (result,) = run_on_ranks(1, _overflowing_scaler, fused)
+    assert result["skipped"] >= 1, "the scale should have overflowed at first"
+    assert result["scale"] == 2.0**24 * 0.5 ** result["skipped"]  # one backoff per step the callback counted
+    assert result["warned"] == []

@@ -136,6 +136,41 @@ def test_ranks_that_disagree_fail_together_with_the_difference_named():
         assert "rank 1 holds 3 gradient tensors but rank 0" in m
 
 
+def _exchanged_bytes_case(n_tensors: int, disagree: bool) -> list[int]:
+    """Pickled sizes of what the first call sends with ``all_gather_object``, and its norm's error."""
+    import pickle
+    from unittest import mock
+
+    sent: list[int] = []
+    gather = dist.all_gather_object
+
+    def spy(out, obj, group=None):
+        sent.append(len(pickle.dumps(obj)))
+        return gather(out, obj, group=group)
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = [_full((4, 3), i) for i in range(n_tensors)]
+    grads = [distribute_tensor(f, mesh, [Shard(0)]) for f in full]
+    if disagree and dist.get_rank() == 1:
+        grads[-1] = DTensor.from_local(full[-1], mesh, [Replicate()], run_check=False)  # no collective
+    with mock.patch.object(dist, "all_gather_object", spy):
+        if disagree:
+            with pytest.raises(nd.NormPlanError, match="differs between rank 0"):
+                nd.get_total_norm(grads, plans=nd.NormPlans())
+        else:
+            assert_close(nd.get_total_norm(grads, plans=nd.NormPlans()), reference_norm(full, 2.0))
+    return sent
+
+
+def test_agreeing_ranks_exchange_a_summary_that_does_not_grow_with_the_tensors():
+    """Ranks that agree send a fixed-size summary; ranks that disagree then send their whole views,
+    so the error still names the tensor and the ranks."""
+    small, large = (run_on_ranks(2, _exchanged_bytes_case, n, False)[0] for n in (4, 400))
+    assert len(small) == len(large) == 1 and abs(large[0] - small[0]) < 64, (small, large)
+    summary, whole = run_on_ranks(2, _exchanged_bytes_case, 400, True)[0]
+    assert whole > 10 * summary
+
+
 def _diverged_plans_case(norm_type, layout_of_rank):
     """Every rank caches the plans of three layouts, then the ranks pick different ones in the same
     call: every cache hits, so only the check riding on the all-reduce can notice."""

@@ -14,7 +14,9 @@ sums (a max for the inf norm) yields the exact total:
   that holds it.
 
 Building a plan costs one ``all_gather_object`` over the group, in which ranks also check that they
-agree (same tensors per stage, consistent meshes, no unsupported placement). Any problem is raised
+agree (same tensors per stage, consistent meshes, no unsupported placement): of a summary whose size
+does not grow with the number of tensors when all ranks are in one stage and agree, and of every
+rank's whole view otherwise (then a second one). Any problem is raised
 on **every** rank with the same message, so no rank is left waiting in a later collective.
 """
 
@@ -170,6 +172,26 @@ def _check_agreement(views: list[dict]) -> list[str]:
     return problems
 
 
+def _gather_views(view: dict, world_size: int, group: dist.ProcessGroup | None) -> list[dict]:
+    """Every rank's view. First every rank sends a summary: its stage, errors, meshes and a hash of
+    its names and signatures (small whatever the number of tensors). When all ranks are in one stage,
+    with no error and equal hashes, every rank holds what this rank holds, and the summaries (with
+    this rank's names and signatures) are the views. Otherwise every rank sends its whole view (a
+    second exchange, which every rank decides alike from the same summaries)."""
+    logical = hashlib.blake2b(
+        pickle.dumps((view["names"], view["signatures"]), protocol=pickle.HIGHEST_PROTOCOL), digest_size=16
+    ).digest()
+    summary = {k: view[k] for k in ("rank", "stage", "errors", "float64", "digest")}
+    summary.update(mesh_ranks=set(view["mesh_ranks"]), logical=logical)
+    summaries: list[dict] = [{}] * world_size
+    dist.all_gather_object(summaries, summary, group=group)
+    if len({(s["stage"], s["logical"]) for s in summaries}) == 1 and not any(s["errors"] for s in summaries):
+        return [{**s, "names": view["names"], "signatures": view["signatures"]} for s in summaries]
+    views: list[dict] = [{}] * world_size
+    dist.all_gather_object(views, view, group=group)
+    return views
+
+
 def build_plan(
     tensors: Sequence[torch.Tensor],
     names: Sequence[str],
@@ -180,7 +202,8 @@ def build_plan(
 ) -> NormPlan:
     """Analyse ``tensors`` on every rank of ``group`` and agree on who counts what.
 
-    Collective over ``group`` (one ``all_gather_object``) when more than one process runs.
+    Collective over ``group`` (one ``all_gather_object``, two with several pipeline stages or when
+    ranks disagree) when more than one process runs.
 
     Args:
         tensors: the gradients (or the parameters standing for them), in a fixed order.
@@ -209,11 +232,7 @@ def build_plan(
         "float64": torch.float64 in set(map(operator.attrgetter("dtype"), tensors)),
     }
     view["digest"] = _digest(view)
-    if world_size == 1:
-        views = [view]
-    else:
-        views = [{}] * world_size
-        dist.all_gather_object(views, view, group=group)
+    views = [view] if world_size == 1 else _gather_views(view, world_size, group)
     problems = _check_agreement(views)
     if problems:
         shown = "\n  ".join(problems[:8])

@@ -78,7 +78,9 @@ class GlobalNormClip(Callback):
     Under an fp16 ``GradScaler`` (``"16-mixed"``), Lightning unscales the gradients before this
     callback for every optimizer except those that unscale in their own step (the fused ones); for
     those the callback calls ``scaler.unscale_(optimizer)`` itself, so the norm is always that of
-    the true gradients.
+    the true gradients. A non-finite norm there is the scaler's overflow, routine while it finds its
+    scale: the scaler skips the step and lowers the scale, and the callback only counts the step in
+    ``skipped_steps``, whatever ``nonfinite`` says (no warning, no error).
 
     The callback keeps its own :class:`lightning_ndclip.NormPlans` (the plan of each gradient layout)
     for as long as it lives.
@@ -241,22 +243,25 @@ class GlobalNormClip(Callback):
         coef = norms.clip_coef(self.max_norm)
         fold = self._can_fold(optimizer, total)
         if self.nonfinite != "clip" and not bool(torch.isfinite(total)):
-            if self.nonfinite == "raise":
+            if scaler is not None:  # the scaler's overflow: it skips the step and lowers its scale itself
+                self.skipped_steps += 1
+            elif self.nonfinite == "raise":
                 raise RuntimeError(
                     f"GlobalNormClip: the global gradient norm is {float(total)} at step "
                     f"{trainer.global_step} (raised on every rank; nonfinite='skip' skips such steps)"
                 )
-            if fold:
-                self._fold(optimizer, found_inf=torch.ones((), dtype=torch.float32, device=total.device), scaler=scaler)
             else:
-                for p in params:
-                    p.grad = None
-            self.skipped_steps += 1
-            rank_zero_warn(  # every rank skips alike: one warning for the job
-                f"GlobalNormClip: non-finite global gradient norm at step {trainer.global_step}; the "
-                f"optimizer step is skipped on every rank ({self.skipped_steps} skipped so far)",
-                category=RuntimeWarning,
-            )
+                if fold:
+                    self._fold(optimizer, found_inf=torch.ones((), dtype=torch.float32, device=total.device), scaler=None)
+                else:
+                    for p in params:
+                        p.grad = None
+                self.skipped_steps += 1
+                rank_zero_warn(  # every rank skips alike: one warning for the job
+                    f"GlobalNormClip: non-finite global gradient norm at step {trainer.global_step}; the "
+                    f"optimizer step is skipped on every rank ({self.skipped_steps} skipped so far)",
+                    category=RuntimeWarning,
+                )
         elif fold:
             self._fold(optimizer, grad_scale=(1.0 / coef).to(torch.float32), scaler=scaler)
         else:
