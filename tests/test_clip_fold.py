@@ -234,3 +234,24 @@ def test_grad_scaler_overflow_is_counted_not_raised(fused):
     assert result["skipped"] >= 1, "the scale should have overflowed at first"
     assert result["scale"] == 2.0**24 * 0.5 ** result["skipped"]  # one backoff per step the callback counted
     assert result["warned"] == []
+
+
+def _disabled_scaler() -> dict:
+    use_existing_process_group()
+    clip = GlobalNormClip(MAX_NORM)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)  # neither unscales nor skips a step
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], max_steps=STEPS,
+        logger=False, callbacks=[clip], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    module = _Module(fused=False, nonfinite_step=1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*non-finite", category=RuntimeWarning)
+        trainer.fit(module)
+    return {"skipped": clip.skipped_steps, "finite": all(bool(p.isfinite().all()) for p in module.parameters())}
+
+
+def test_a_disabled_grad_scaler_leaves_the_skip_to_the_callback():
+    (result,) = run_on_ranks(1, _disabled_scaler)
+    assert result == {"skipped": 1, "finite": True}

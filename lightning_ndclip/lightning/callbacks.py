@@ -70,8 +70,8 @@ class GlobalNormClip(Callback):
             (``1``) instead of by dropping every gradient. The attributes are removed after the
             step. ``None`` (default): fold wherever the optimizer supports it, unless the norm is
             accumulated in float64 (the coefficient travels in float32, as ``GradScaler``'s
-            scale does); ``True``: also raise ``ValueError`` at fit start for an optimizer that does
-            not support it; ``False``: never fold.
+            scale does); ``True``: fold float64 norms too, and raise ``ValueError`` at fit start
+            for an optimizer that does not support it; ``False``: never fold.
         pp_mesh, tied_parameters, process_group, accumulate_dtype: as in
             :func:`lightning_ndclip.clip_grad_norm_`.
 
@@ -218,6 +218,8 @@ class GlobalNormClip(Callback):
     ) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and not scaler.is_enabled():  # a disabled scaler neither unscales nor skips
+            scaler = None
         if scaler is not None and _compat.applies_grad_scale(optimizer) and any(p.grad is not None for p in params):
             scaler.unscale_(optimizer)  # Lightning leaves these scaled (their step unscales); the norm needs them true
         named = self._named(pl_module, params)
