@@ -171,6 +171,20 @@ def test_agreeing_ranks_exchange_a_summary_that_does_not_grow_with_the_tensors()
     assert whole > 10 * summary
 
 
+def _tie_mismatch_case() -> str:
+    mesh = init_device_mesh("cpu", (2,))
+    grads = [distribute_tensor(_full((4, 3), i), mesh, [Shard(0)]) for i in range(3)]
+    tied = {"shared": grads[1]} if dist.get_rank() == 1 else None
+    with pytest.raises(nd.NormPlanError) as info:
+        nd.get_total_norm(grads, tied=tied, plans=nd.NormPlans())
+    return str(info.value)
+
+
+def test_ranks_that_declare_different_ties_raise_naming_the_tensor():
+    for message in run_on_ranks(2, _tie_mismatch_case, timeout=60):
+        assert "tensor #1 (tensor[1]) is tied as None on rank 0 but as 'shared' on rank 1" in message
+
+
 def _diverged_plans_case(norm_type, layout_of_rank):
     """Every rank caches the plans of three layouts, then the ranks pick different ones in the same
     call: every cache hits, so only the check riding on the all-reduce can notice."""

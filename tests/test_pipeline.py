@@ -92,6 +92,12 @@ def _pp_case(schedule: str, stages_per_rank: int, tied: bool, layers: int = 4) -
     if tied:  # without the declaration the tied weight counts once per stage
         untied = nd.get_total_norm([p.grad for p in params], pp_mesh=pp_mesh)
         assert float(untied) > float(ref_norm) * (1 + 1e-6)
+        # per-tensor norms: every stage's tensors on every rank, the tied weight once (under its first stage's name)
+        named = [(n, p) for m in modules for n, p in m.named_parameters()]
+        per_tensor = nd.grad_norms(named, pp_mesh=pp_mesh, tied_parameters=tied_params).as_dict()
+        assert sorted(per_tensor) == sorted(n for n in ref_grads if n != "head.weight")
+        for name, value in per_tensor.items():
+            assert_close(value, ref_grads[name].norm())
     worst = 0.0
     for m in modules:
         for name, p in m.named_parameters():

@@ -165,3 +165,15 @@ def test_several_buffers_gaps_uncounted_views_and_single_tensors_in_one_list():
         assert (len(to_norm), len(to_scale)) == (6, 5)  # runs: tiled 1, gapped 2, mixed 2 (norm) / 1 (scale), plain 1
         torch._foreach_mul_(to_scale, 2.0)
         assert int(torch.isnan(buffers[1]).sum()) == 3  # the gap was never written
+
+
+def test_runs_follow_the_order_of_the_tensors_not_of_their_buffers_addresses():
+    # the local sum adds the runs in this order: any other order (e.g. by address) would change its
+    # last bits from one run of the program to the next
+    torch.manual_seed(0)
+    made = [_fsdp_like([4, 6], [0, 0]) for _ in range(24)]
+    order = torch.randperm(len(made)).tolist()
+    views = [v for k in order for v in made[k][1]]
+    to_norm, to_scale = _check(RunFinder(), views, [True] * len(views))
+    assert [t.data_ptr() for t in to_norm] == [made[k][0].data_ptr() for k in order]
+    assert [t.data_ptr() for t in to_scale] == [made[k][0].data_ptr() for k in order]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,24 +27,28 @@ from lightning_ndclip._compat import StridedShard, dtensor_spec, local_tensors
 
 @dataclass(frozen=True)
 class TensorLayout:
-    """How one rank holds one logical gradient tensor.
+    """How one rank holds a logical gradient tensor; one object is shared by every tensor of the same
+    kind (the same DTensor spec, or the same shape and dtype for plain tensors).
 
     Attributes:
-        name: the name used in messages (a parameter name, or ``tensor[i]``).
         signature: the stage-wide logical description, equal on every rank of a pipeline stage.
         mesh_ranks: global ranks of the mesh instance holding the tensor, ``(rank,)`` for a plain one.
         counted_in_mesh: this rank is the one member of its replica set inside the mesh instance.
         replicated_everywhere: every mesh dim is ``Replicate`` (or the tensor is plain): every rank
             of the instance holds the whole tensor.
-        error: why the tensor cannot be normed exactly, or ``None``.
+        problem: ``(kind, placement, mesh dim)`` when the tensor cannot be normed exactly (see
+            :meth:`error`), else ``None``.
     """
 
-    name: str
     signature: tuple
     mesh_ranks: tuple[int, ...]
     counted_in_mesh: bool
     replicated_everywhere: bool
-    error: str | None = None
+    problem: tuple[str, str, str] | None = None
+
+    def error(self, name: str, rank: int) -> str | None:
+        """Why the tensor called ``name`` cannot be normed exactly, or ``None``."""
+        return None if self.problem is None else _message(self.problem, name, rank)
 
 
 def _placement_kind(placement: object) -> str:
@@ -83,24 +88,29 @@ def dim0_padding(tensor: torch.Tensor) -> int:
 
 
 def dim0_paddings(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
-    """:func:`dim0_padding` of every tensor (what depends on the placements worked out once per
-    mesh and placements)."""
-    ranks_of_dim0: dict[tuple, int] = {}  # (mesh id, placements) -> ranks splitting dim 0, or 0: no padding
-    paddings = []
-    for tensor, local in zip(tensors, local_tensors(tensors)):
+    """:func:`dim0_padding` of every tensor, worked out once per DTensor spec and local shape."""
+    paddings: dict[tuple, int] = {}
+
+    def padding(tensor: torch.Tensor, local: torch.Tensor) -> int:
         if not isinstance(tensor, DTensor):
-            paddings.append(0)
-            continue
+            return 0
         spec = dtensor_spec(tensor)
-        key = (id(spec.mesh), spec.placements)
-        if key not in ranks_of_dim0:
-            on_dim0 = [d for d, p in enumerate(spec.placements) if isinstance(p, (Shard, StridedShard)) and p.dim == 0]
-            plain = len(on_dim0) == 1 and type(spec.placements[on_dim0[0]]) is Shard
-            ranks_of_dim0[key] = spec.mesh.size(on_dim0[0]) if plain else 0
-        rows = local.shape[0] if local.dim() else 0
-        padded_rows = -(-spec.shape[0] // ranks_of_dim0[key]) if ranks_of_dim0[key] else 0
-        paddings.append((padded_rows - rows) * (local.numel() // rows) if 0 < rows < padded_rows else 0)
-    return tuple(paddings)
+        key = (id(spec), local.shape)  # the spec is alive as long as the tensor: its id is not reused meanwhile
+        if key not in paddings:
+            paddings[key] = _dim0_padding(spec, local.shape)
+        return paddings[key]
+
+    return tuple(map(padding, tensors, local_tensors(tensors)))
+
+
+def _dim0_padding(spec: Any, local_shape: torch.Size) -> int:
+    placements = spec.placements
+    on_dim0 = [d for d, p in enumerate(placements) if isinstance(p, (Shard, StridedShard)) and p.dim == 0]
+    if len(on_dim0) != 1 or type(placements[on_dim0[0]]) is not Shard:
+        return 0
+    rows = local_shape[0] if local_shape else 0
+    padded_rows = -(-spec.shape[0] // spec.mesh.size(on_dim0[0]))
+    return (padded_rows - rows) * (local_shape.numel() // rows) if 0 < rows < padded_rows else 0
 
 
 @dataclass(frozen=True)
@@ -150,23 +160,34 @@ def _message(problem: tuple[str, str, str], name: str, rank: int) -> str:
     return f"this rank ({rank}) is not part of the device mesh of {name}."
 
 
-def describe(tensor: torch.Tensor, name: str, rank: int, cache: dict[tuple, _Sharding] | None = None) -> TensorLayout:
-    """Describe how this rank holds ``tensor`` (a gradient, or a parameter standing for it).
+def describe(tensors: Sequence[torch.Tensor], rank: int) -> list[TensorLayout]:
+    """Describe how this rank holds each of ``tensors`` (gradients, or parameters standing for them).
 
-    ``cache`` memoizes what depends only on the mesh and the placements across the tensors of one
-    analysis (keyed by the mesh's ``id``: the meshes must stay alive while it is in use).
+    Worked out once per DTensor spec (FSDP2 and tensor parallelism share one spec among the
+    parameters of a shape), else once per mesh and placements, and for plain tensors once per shape
+    and dtype; the tensors of one kind share one :class:`TensorLayout`.
     """
-    if not isinstance(tensor, DTensor):
-        signature: tuple = ("plain", tuple(tensor.shape), str(tensor.dtype))
-        return TensorLayout(name, signature, (rank,), True, True)
+    layouts: dict[object, TensorLayout] = {}  # by spec id (the specs live as long as the tensors), or (shape, dtype)
+    shardings: dict[tuple, _Sharding] = {}  # by (mesh id, placements)
 
+    def layout_of(tensor: torch.Tensor) -> TensorLayout:
+        key = id(dtensor_spec(tensor)) if isinstance(tensor, DTensor) else (tensor.shape, tensor.dtype)
+        layout = layouts.get(key)
+        if layout is None:
+            layout = layouts[key] = _describe(tensor, rank, shardings)
+        return layout
+
+    return list(map(layout_of, tensors))
+
+
+def _describe(tensor: torch.Tensor, rank: int, shardings: dict[tuple, _Sharding]) -> TensorLayout:
+    if not isinstance(tensor, DTensor):
+        return TensorLayout(("plain", tuple(tensor.shape), str(tensor.dtype)), (rank,), True, True)
     spec = dtensor_spec(tensor)
     key = (id(spec.mesh), spec.placements)
-    sharding = None if cache is None else cache.get(key)
-    if sharding is None:
-        sharding = _sharding(spec.mesh, spec.placements, rank)
-        if cache is not None:
-            cache[key] = sharding
+    if key not in shardings:
+        shardings[key] = _sharding(spec.mesh, spec.placements, rank)
+    sharding = shardings[key]
     signature = (
         "dtensor",
         tuple(tensor.shape),
@@ -176,10 +197,9 @@ def describe(tensor: torch.Tensor, name: str, rank: int, cache: dict[tuple, _Sha
         sharding.mesh_dim_names,
     )
     return TensorLayout(
-        name=name,
         signature=signature,
         mesh_ranks=sharding.mesh_ranks,
         counted_in_mesh=sharding.counted,
         replicated_everywhere=sharding.replicated_everywhere,
-        error=None if sharding.problem is None else _message(sharding.problem, name, rank),
+        problem=sharding.problem,
     )

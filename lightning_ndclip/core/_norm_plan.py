@@ -37,6 +37,9 @@ from torch.distributed.tensor import DTensor
 from lightning_ndclip._compat import dtensor_spec, root_mesh
 from lightning_ndclip.core._layout import TensorLayout, describe
 
+_SIGNATURE = operator.attrgetter("signature")
+_MESH_RANKS = operator.attrgetter("mesh_ranks")
+
 PP_DIM_NAME = "pp"
 """Mesh dim name taken to be the pipeline dim when no ``pp_mesh`` is given."""
 
@@ -140,6 +143,12 @@ def _check_agreement(views: list[dict]) -> list[str]:
                 f"tensor #{i} ({v['names'][i]}) differs between rank {lead['rank']} "
                 f"{theirs[i]} and rank {v['rank']} {mine[i]} of pipeline stage {v['stage']}"
             )
+        elif v["tie_keys"] != lead["tie_keys"]:
+            i = _first_difference(v["tie_keys"], lead["tie_keys"])
+            problems.append(
+                f"tensor #{i} ({v['names'][i]}) is tied as {lead['tie_keys'][i]!r} on rank {lead['rank']} but as "
+                f"{v['tie_keys'][i]!r} on rank {v['rank']} of pipeline stage {v['stage']}"
+            )
         elif v["names"] != lead["names"]:  # same layouts in another order: norms would be matched by position
             i = _first_difference(v["names"], lead["names"])
             problems.append(
@@ -174,19 +183,20 @@ def _check_agreement(views: list[dict]) -> list[str]:
 
 def _gather_views(view: dict, world_size: int, group: dist.ProcessGroup | None) -> list[dict]:
     """Every rank's view. First every rank sends a summary: its stage, errors, meshes and a hash of
-    its names and signatures (small whatever the number of tensors). When all ranks are in one stage,
+    its names, signatures and tie keys (small whatever the number of tensors). When all ranks are in one stage,
     with no error and equal hashes, every rank holds what this rank holds, and the summaries (with
-    this rank's names and signatures) are the views. Otherwise every rank sends its whole view (a
+    this rank's names, signatures and tie keys) are the views. Otherwise every rank sends its whole view (a
     second exchange, which every rank decides alike from the same summaries)."""
     logical = hashlib.blake2b(
-        pickle.dumps((view["names"], view["signatures"]), protocol=pickle.HIGHEST_PROTOCOL), digest_size=16
+        pickle.dumps((view["names"], view["signatures"], view["tie_keys"]), protocol=pickle.HIGHEST_PROTOCOL),
+        digest_size=16,
     ).digest()
     summary = {k: view[k] for k in ("rank", "stage", "errors", "float64", "digest")}
     summary.update(mesh_ranks=set(view["mesh_ranks"]), logical=logical)
     summaries: list[dict] = [{}] * world_size
     dist.all_gather_object(summaries, summary, group=group)
     if len({(s["stage"], s["logical"]) for s in summaries}) == 1 and not any(s["errors"] for s in summaries):
-        return [{**s, "names": view["names"], "signatures": view["signatures"]} for s in summaries]
+        return [{**s, **{k: view[k] for k in ("names", "signatures", "tie_keys")}} for s in summaries]
     views: list[dict] = [{}] * world_size
     dist.all_gather_object(views, view, group=group)
     return views
@@ -219,16 +229,19 @@ def build_plan(
     """
     rank, world_size = _world(group)
     stage = pipeline_stage(tensors, pp_mesh)
-    cache: dict = {}
-    layouts = tuple(describe(t, n, rank, cache) for t, n in zip(tensors, names))
-    signatures = [(lay.signature, key) for lay, key in zip(layouts, tie_keys)]
+    layouts = describe(tensors, rank)
+    kinds = list({id(lay): lay for lay in layouts}.values())
+    errors = [] if all(lay.problem is None for lay in kinds) else [
+        lay.error(name, rank) for lay, name in zip(layouts, names) if lay.problem is not None
+    ]
     view: dict[str, Any] = {
         "rank": rank,
         "stage": stage,
         "names": list(names),
-        "signatures": signatures,
-        "mesh_ranks": [lay.mesh_ranks for lay in layouts],
-        "errors": [lay.error for lay in layouts if lay.error],
+        "signatures": list(map(_SIGNATURE, layouts)),
+        "tie_keys": list(tie_keys),
+        "mesh_ranks": list(map(_MESH_RANKS, layouts)),
+        "errors": errors,
         "float64": torch.float64 in set(map(operator.attrgetter("dtype"), tensors)),
     }
     view["digest"] = _digest(view)
@@ -242,36 +255,42 @@ def build_plan(
     stages = sorted({v["stage"] for v in views})
     leaders = {s: min((v for v in views if v["stage"] == s), key=lambda v: v["rank"]) for s in stages}
     stage_min_rank = leaders[stage]["rank"]
-    first_stage_of_key: dict[str, tuple[int, int]] = {}
-    slot_of: dict[tuple[int, int], int] = {}
+    first_stage_of_key: dict[str, int] = {}  # a tied tensor counts in the lowest stage holding it,
+    slot_of_key: dict[str, int] = {}  # and has one slot
+    slots_of_stage: dict[int, Sequence[int]] = {}
     slot_names: list[str] = []
     for s in stages:
         lead = leaders[s]
-        for i, (_, key) in enumerate(lead["signatures"]):
-            if key is not None and key in first_stage_of_key:
-                slot_of[(s, i)] = slot_of[first_stage_of_key[key]]
-                continue
-            if key is not None:
-                first_stage_of_key[key] = (s, i)
-            slot_of[(s, i)] = len(slot_names)
-            slot_names.append(lead["names"][i])
+        keys = lead["tie_keys"]
+        if all(key is None for key in keys):  # nothing tied: the stage's tensors take the next slots in order
+            slots_of_stage[s] = range(len(slot_names), len(slot_names) + len(keys))
+            slot_names.extend(lead["names"])
+            continue
+        slots: list[int] = []
+        for key, name in zip(keys, lead["names"]):
+            if key is None or key not in slot_of_key:
+                if key is not None:
+                    first_stage_of_key[key], slot_of_key[key] = s, len(slot_names)
+                slots.append(len(slot_names))
+                slot_names.append(name)
+            else:
+                slots.append(slot_of_key[key])
+        slots_of_stage[s] = slots
 
     needs_collective = world_size > 1 and (
-        len(stages) > 1 or not all(lay.replicated_everywhere for lay in layouts)
+        len(stages) > 1 or not all(lay.replicated_everywhere for lay in kinds)
     )
     if needs_collective:
+        counts = {id(lay): lay.counted_in_mesh and stage_min_rank in lay.mesh_ranks for lay in kinds}
         counted = tuple(
-            lay.counted_in_mesh
-            and stage_min_rank in lay.mesh_ranks
-            and (key is None or first_stage_of_key[key][0] == stage)
-            for lay, key in zip(layouts, tie_keys)
+            counts[id(lay)] and (key is None or first_stage_of_key[key] == stage) for lay, key in zip(layouts, tie_keys)
         )
     else:
         counted = (True,) * len(layouts)
     return NormPlan(
-        layouts=layouts,
+        layouts=tuple(layouts),
         counted=counted,
-        slots=tuple(slot_of[(stage, i)] for i in range(len(layouts))),
+        slots=tuple(slots_of_stage[stage]),
         slot_names=tuple(slot_names),
         needs_collective=needs_collective,
         group=group,

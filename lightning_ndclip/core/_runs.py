@@ -27,7 +27,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import chain, repeat
+from itertools import chain, groupby, repeat
 from typing import TypeVar, cast
 
 import torch
@@ -36,7 +36,6 @@ from lightning_ndclip._compat import view_base
 
 T = TypeVar("T")
 _DTYPE = operator.attrgetter("dtype")
-_DEVICE = operator.attrgetter("device")
 
 
 @dataclass(frozen=True)
@@ -211,24 +210,28 @@ class RunFinder:
         numels = list(map(torch.Tensor.numel, locals_))
         offsets = cast("list[int]", list(map(torch.Tensor.storage_offset, locals_)))
         contiguous = list(map(torch.Tensor.is_contiguous, locals_))
-        kinds = list(zip(map(_DTYPE, locals_), map(_DEVICE, locals_)))
-        base_kinds: dict[int, tuple | None] = {}  # (dtype, device) of each contiguous buffer, None if not
-        by_base: dict[int, list[int]] = {}
+        dtypes = list(map(_DTYPE, locals_))  # a view has its base's device; its dtype may differ (``view(dtype)``)
+        bases = list(map(view_base, locals_))
+        base_ids = list(map(id, bases))
         singles: list[int] = []
-        for i, base in enumerate(map(view_base, locals_)):
-            if numels[i] == 0:
+        by_base: list[list[int]] = []  # the non-empty contiguous views of one contiguous buffer, of its dtype
+        for _, same_base in groupby(sorted(range(len(locals_)), key=base_ids.__getitem__), key=base_ids.__getitem__):
+            indices = list(same_base)
+            base = bases[indices[0]]
+            if base is None or not base.is_contiguous():
+                singles.extend(i for i in indices if numels[i])
                 continue
-            if base is not None and contiguous[i]:
-                if (key := id(base)) not in base_kinds:
-                    base_kinds[key] = (base.dtype, base.device) if base.is_contiguous() else None
-                if base_kinds[key] == kinds[i]:
-                    by_base.setdefault(key, []).append(i)
-                    continue
-            singles.append(i)
+            dtype = base.dtype
+            members = [i for i in indices if numels[i] and contiguous[i] and dtypes[i] == dtype]
+            if len(members) < len(indices):
+                singles.extend(i for i in indices if numels[i] and not (contiguous[i] and dtypes[i] == dtype))
+            if members:
+                by_base.append(members)
         groups: list[_Group] = []
         members_all: list[int] = []
         self._group_of, self._byte_offsets = [], []
-        for members in by_base.values():
+        by_base.sort(key=operator.itemgetter(0))  # in the order of the tensors, not of addresses: the same every run
+        for members in by_base:
             members.sort(key=offsets.__getitem__)
             overlapping = any(offsets[a] + numels[a] > offsets[b] for a, b in zip(members, members[1:]))
             if len(members) == 1 or overlapping:

@@ -295,6 +295,8 @@ class _PlansDiffer(Exception):
 
 def _specs(tensors: Sequence[torch.Tensor]) -> tuple:
     """The DTensor specs whose ids a layout key holds: a cache entry keeps them alive."""
+    if all(map(isinstance, tensors, repeat(DTensor))):
+        return tuple(map(dtensor_spec, cast("Sequence[DTensor]", tensors)))
     return tuple(dtensor_spec(t) for t in tensors if isinstance(t, DTensor))
 
 
