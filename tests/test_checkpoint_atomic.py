@@ -197,3 +197,42 @@ def test_save_over_a_checkpoint_and_load_round_trip(tmp_path):
         # Lightning's layout; a file of the user's in the directory survives; no temporary directory left
         assert r["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt", "notes.txt"]
         assert r["siblings"] == ["model.ckpt"]
+
+
+def _url_case(directory: str, how: str) -> list[str]:
+    use_existing_process_group()
+    if how == "full":
+        trainer = L.Trainer(strategy=NDParallelStrategy(save_distributed_checkpoint=False), accelerator="cpu",
+                            devices=2, limit_train_batches=2, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, max_epochs=1)
+    else:
+        trainer = _trainer(lightning=how == "lightning", max_epochs=1)
+    trainer.fit(MlpModule(tp=False))
+    messages = []
+    cwd = os.getcwd()
+    os.chdir(directory)  # where a URL taken for a path is written
+    try:
+        for url in ("s3://bucket/model.ckpt", "file:///tmp/model.ckpt"):
+            if how == "lightning":
+                trainer.save_checkpoint(url)
+                continue
+            with pytest.raises(ValueError, match="is a URL") as info:
+                trainer.save_checkpoint(url)
+            messages.append(str(info.value))
+        dist.barrier()
+    finally:
+        os.chdir(cwd)
+    return messages
+
+
+@pytest.mark.parametrize("how", ["sharded", "full"])
+def test_a_url_is_refused_on_every_rank_instead_of_written_to_a_local_directory(tmp_path, how):
+    results = run_on_ranks(2, _url_case, str(tmp_path), how, timeout=60)
+    assert results[0] == results[1]
+    assert "'s3://bucket/model.ckpt'" in results[0][0] and "'s3:/bucket/model.ckpt'" in results[0][0]
+    assert os.listdir(tmp_path) == []
+
+
+def test_lightning_writes_a_url_to_a_local_directory(tmp_path):
+    run_on_ranks(2, _url_case, str(tmp_path), "lightning", timeout=60)
+    assert (tmp_path / "s3:" / "bucket" / "model.ckpt" / "meta.pt").is_file()

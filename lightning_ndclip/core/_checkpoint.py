@@ -30,7 +30,12 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_ndclip import _compat
 
-__all__ = ["checkpoint_problem", "refuse_incomplete_checkpoint", "save_distributed_checkpoint_atomically"]
+__all__ = [
+    "checkpoint_problem",
+    "file_system_path",
+    "refuse_incomplete_checkpoint",
+    "save_distributed_checkpoint_atomically",
+]
 
 DCP_METADATA = ".metadata"
 """dcp's index of a distributed checkpoint: which file holds each tensor's bytes."""
@@ -188,3 +193,19 @@ def refuse_incomplete_checkpoint(strategy: Any, path: Path) -> None:
     problem = strategy.broadcast(checkpoint_problem(path) if strategy.global_rank == 0 else None)
     if problem is not None:
         raise ValueError(problem)
+
+
+def file_system_path(path: Any) -> Path:
+    """``path`` as a file system path; a URL (``s3://``, ``gs://``, ``file://``, ...) raises ``ValueError``.
+
+    The atomic swap renames directories, and Lightning's ``ModelParallelStrategy`` makes a ``Path`` of
+    whatever it is given: ``s3://bucket/x`` would be written to a local directory ``s3:/bucket/x``,
+    lost with the machine. Call it with the path every rank received (broadcast), so that every rank
+    raises together."""
+    if isinstance(path, str) and "://" in path:
+        raise ValueError(
+            f"checkpoint path {path!r} is a URL; NDParallelStrategy saves and loads distributed checkpoints "
+            f"on a file system path (Lightning's ModelParallelStrategy would write it to the local directory "
+            f"{str(Path(path))!r}). Save to a local or mounted directory (e.g. an s3fs or gcsfuse mount)."
+        )
+    return Path(path)

@@ -8,7 +8,6 @@ import inspect
 import math
 from collections.abc import Mapping
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -35,7 +34,11 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from typing_extensions import override
 
 from lightning_ndclip import _compat
-from lightning_ndclip.core._checkpoint import refuse_incomplete_checkpoint, save_distributed_checkpoint_atomically
+from lightning_ndclip.core._checkpoint import (
+    file_system_path,
+    refuse_incomplete_checkpoint,
+    save_distributed_checkpoint_atomically,
+)
 from lightning_ndclip.core.coverage import check_data_parallel_reduction
 from lightning_ndclip.core.loss import loss_share
 from lightning_ndclip.core.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError
@@ -572,18 +575,22 @@ class NDParallelStrategy(ModelParallelStrategy):
         """As Lightning's ModelParallelStrategy, but a distributed checkpoint is never written in place: the
         ranks write a fresh sibling directory that rank 0 completes and swaps in, so a fault leaves the old or
         the new checkpoint at ``filepath``, never a mix (:mod:`lightning_ndclip.core._checkpoint`). A full
-        checkpoint (``save_distributed_checkpoint=False``) is Lightning's, written atomically by rank 0."""
-        if storage_options is not None or not _compat.save_distributed_checkpoint(self):
+        checkpoint (``save_distributed_checkpoint=False``) is Lightning's, written atomically by rank 0. A URL
+        (``s3://...``) raises ``ValueError`` on every rank: Lightning would write it to a local directory."""
+        if storage_options is not None:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        save_distributed_checkpoint_atomically(self, checkpoint, Path(self.broadcast(filepath)))
+        path = file_system_path(self.broadcast(filepath))
+        if not _compat.save_distributed_checkpoint(self):
+            return super().save_checkpoint(checkpoint, path)
+        save_distributed_checkpoint_atomically(self, checkpoint, path)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """As Lightning's ModelParallelStrategy; with ``pp > 1``, optimizer states use flattened
         per-parameter keys, so every stage restores its own parameter groups. An incomplete distributed
         checkpoint directory (no ``meta.pt`` or ``.metadata``, or a shard missing) is refused with the
-        same ``ValueError`` on every rank, saying what is missing."""
-        path = Path(self.broadcast(checkpoint_path))
+        same ``ValueError`` on every rank, saying what is missing; so is a URL (``s3://...``)."""
+        path = file_system_path(self.broadcast(checkpoint_path))
         refuse_incomplete_checkpoint(self, path)
         if self._dims is None or self._dims.pp == 1:
             return super().load_checkpoint(path, weights_only=weights_only)
