@@ -171,6 +171,23 @@ def test_agreeing_ranks_exchange_a_summary_that_does_not_grow_with_the_tensors()
     assert whole > 10 * summary
 
 
+def _shared_spec_case() -> list[tuple]:
+    from lightning_ndclip._compat import dtensor_spec
+    from lightning_ndclip.core._layout import describe
+
+    mesh = init_device_mesh("cpu", (2,))
+    a = distribute_tensor(_full((4, 3), 0), mesh, [Shard(0)])
+    b = DTensor(a.to_local().to(torch.float32), dtensor_spec(a), requires_grad=False)  # a's spec, another dtype
+    c = distribute_tensor(_full((4, 3), 1), mesh, [Shard(0)])
+    return [layout.signature for layout in describe([a, b, c], dist.get_rank())]
+
+
+def test_tensors_sharing_a_spec_are_described_by_their_own_dtype():
+    for signatures in run_on_ranks(2, _shared_spec_case):
+        assert signatures[0][2] == "torch.float64" and signatures[1][2] == "torch.float32"
+        assert signatures[2] == signatures[0]
+
+
 def _tie_mismatch_case() -> str:
     mesh = init_device_mesh("cpu", (2,))
     grads = [distribute_tensor(_full((4, 3), i), mesh, [Shard(0)]) for i in range(3)]

@@ -28,7 +28,7 @@ from lightning_ndclip._compat import StridedShard, dtensor_spec, local_tensors
 @dataclass(frozen=True)
 class TensorLayout:
     """How one rank holds a logical gradient tensor; one object is shared by every tensor of the same
-    kind (the same DTensor spec, or the same shape and dtype for plain tensors).
+    kind (the same DTensor spec and dtype, or the same shape and dtype for plain tensors).
 
     Attributes:
         signature: the stage-wide logical description, equal on every rank of a pipeline stage.
@@ -163,15 +163,17 @@ def _message(problem: tuple[str, str, str], name: str, rank: int) -> str:
 def describe(tensors: Sequence[torch.Tensor], rank: int) -> list[TensorLayout]:
     """Describe how this rank holds each of ``tensors`` (gradients, or parameters standing for them).
 
-    Worked out once per DTensor spec (FSDP2 and tensor parallelism share one spec among the
-    parameters of a shape), else once per mesh and placements, and for plain tensors once per shape
-    and dtype; the tensors of one kind share one :class:`TensorLayout`.
+    Worked out once per DTensor spec and dtype (FSDP2 and tensor parallelism share one spec among
+    the parameters of a shape), and for plain tensors once per shape and dtype; the tensors of one
+    kind share one :class:`TensorLayout`.
     """
-    layouts: dict[object, TensorLayout] = {}  # by spec id (the specs live as long as the tensors), or (shape, dtype)
+    # by (spec id, dtype): the specs live as long as the tensors, and a DTensor's dtype is its local tensor's,
+    # which a spec shared by several DTensors need not record; plain tensors by (shape, dtype)
+    layouts: dict[tuple, TensorLayout] = {}
     shardings: dict[tuple, _Sharding] = {}  # by (mesh id, placements)
 
     def layout_of(tensor: torch.Tensor) -> TensorLayout:
-        key = id(dtensor_spec(tensor)) if isinstance(tensor, DTensor) else (tensor.shape, tensor.dtype)
+        key = (id(dtensor_spec(tensor)) if isinstance(tensor, DTensor) else tensor.shape, tensor.dtype)
         layout = layouts.get(key)
         if layout is None:
             layout = layouts[key] = _describe(tensor, rank, shardings)
