@@ -183,10 +183,11 @@ def _check_agreement(views: list[dict]) -> list[str]:
 
 def _gather_views(view: dict, world_size: int, group: dist.ProcessGroup | None) -> list[dict]:
     """Every rank's view. First every rank sends a summary: its stage, errors, meshes and a hash of
-    its names, signatures and tie keys (small whatever the number of tensors). When all ranks are in one stage,
-    with no error and equal hashes, every rank holds what this rank holds, and the summaries (with
-    this rank's names, signatures and tie keys) are the views. Otherwise every rank sends its whole view (a
-    second exchange, which every rank decides alike from the same summaries)."""
+    its names, signatures and tie keys (small whatever the number of tensors). When all ranks are
+    in one stage, with no error and equal hashes, every rank holds what this rank holds, and the
+    summaries (with this rank's names, signatures and tie keys) are the views. Otherwise every rank
+    sends its whole view (a second exchange, which every rank decides alike from the same
+    summaries)."""
     logical = hashlib.blake2b(
         pickle.dumps((view["names"], view["signatures"], view["tie_keys"]), protocol=pickle.HIGHEST_PROTOCOL),
         digest_size=16,
