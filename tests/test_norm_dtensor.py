@@ -466,3 +466,39 @@ def test_a_cycle_of_more_layouts_than_the_cache_holds_settles_to_one_collective_
     assert counts[-2:] == [40, 40], counts
     fixed = run_on_ranks(2, _cycling_layouts_case, 16, timeout=60)[0]  # a fixed LRU of 16 rebuilds every plan
     assert min(fixed[1:]) > 3 * 40, fixed
+
+
+def _dropped_layout_case() -> tuple[bool, bool]:
+    import gc
+    import weakref
+
+    from lightning_ndclip._compat import dtensor_spec
+
+    plans = nd.NormPlans(capacity=1, max_capacity=4)
+    mesh = init_device_mesh("cpu", (2,))
+
+    def layout(seed: int, cols: int) -> torch.nn.Parameter:
+        param = torch.nn.Parameter(distribute_tensor(_full((2, cols), seed), mesh, [Shard(0)]))
+        param.grad = distribute_tensor(_full((2, cols), seed + 1), mesh, [Shard(0)])
+        return param
+
+    first = layout(0, 3)
+    spec = weakref.ref(dtensor_spec(first.grad))
+    nd.clip_grad_norm_([first], 1.0, plans=plans)  # a plan and, for the scale, runs of this layout
+    nd.clip_grads_with_norm_([first], 1.0, torch.tensor(1.0), plans=plans)
+    second = layout(2, 5)
+    nd.clip_grad_norm_([second], 1.0, plans=plans)
+    nd.clip_grads_with_norm_([second], 1.0, torch.tensor(1.0), plans=plans)  # both drop the first layout
+    del first
+    gc.collect()
+    kept = spec() is not None
+    plans.clear()
+    gc.collect()
+    return kept, spec() is None
+
+
+def test_a_dropped_layout_keeps_its_specs_alive_until_the_plans_are_cleared():
+    # its key holds the specs' ids: a new spec taking one of them on one rank only would make that
+    # rank's cache hit and miss unlike the others'
+    for kept, freed_after_clear in run_on_ranks(2, _dropped_layout_case):
+        assert kept and freed_after_clear

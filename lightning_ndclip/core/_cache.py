@@ -5,6 +5,11 @@ a cycle (an optimizer per layer, optimizer-in-backward, alternating sub-models):
 misses on every call and rebuilds each plan with a collective exchange. Here a miss on a key dropped
 earlier doubles the capacity (up to ``max_capacity``), so a cycle of any length up to that settles
 after one round; layouts that never recur (nothing comes back) stay bounded by the capacity.
+
+Keys may hold ``id()`` s of objects that their entries keep alive (the norm keys layouts by the ids of
+DTensor specs). A dropped key must keep those objects alive too (``pin``): otherwise a new object could
+take a freed id on one rank only, that rank would take a fresh layout for a dropped one and grow alone,
+and from then on its hits and misses would differ from the other ranks'.
 """
 
 from __future__ import annotations
@@ -18,13 +23,19 @@ V = TypeVar("V")
 
 class GrowingLRU(Generic[V]):
     """``cache.get(key, make)``: the entry, made on a miss; least recently used entries beyond the
-    capacity are dropped. Every rank that makes the same calls makes the same hits and misses."""
+    capacity are dropped. Every rank that makes the same calls makes the same hits and misses.
 
-    def __init__(self, capacity: int = 16, max_capacity: int = 4096) -> None:
+    ``pin(entry)``: what of a dropped entry its key needs alive (the objects whose ids it holds);
+    kept with the key while the key is remembered (at most ``max_capacity`` keys)."""
+
+    def __init__(
+        self, capacity: int = 16, max_capacity: int = 4096, pin: Callable[[V], object] | None = None
+    ) -> None:
         self.capacity = capacity
         self.max_capacity = max_capacity
+        self._pin = pin
         self._entries: OrderedDict[Hashable, V] = OrderedDict()
-        self._dropped: OrderedDict[Hashable, None] = OrderedDict()  # keys only, at most max_capacity
+        self._dropped: OrderedDict[Hashable, object] = OrderedDict()  # key -> its pinned objects
 
     def get(self, key: Hashable, make: Callable[[], V]) -> V:
         entry = self._entries.get(key)
@@ -41,8 +52,8 @@ class GrowingLRU(Generic[V]):
         self._entries.move_to_end(key)
         self._dropped.pop(key, None)
         while len(self._entries) > self.capacity:
-            dropped, _ = self._entries.popitem(last=False)
-            self._dropped[dropped] = None
+            dropped, old = self._entries.popitem(last=False)
+            self._dropped[dropped] = None if self._pin is None else self._pin(old)
         while len(self._dropped) > self.max_capacity:
             self._dropped.popitem(last=False)
         return entry

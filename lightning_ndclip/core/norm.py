@@ -138,9 +138,12 @@ class NormPlans:
     """
 
     def __init__(self, capacity: int = 16, max_capacity: int = 4096) -> None:
-        self._plans: GrowingLRU[_CachedPlan] = GrowingLRU(capacity, max_capacity)
+        # a dropped layout's key keeps its specs alive, so that no new spec takes one of its ids (see _cache)
+        self._plans: GrowingLRU[_CachedPlan] = GrowingLRU(capacity, max_capacity, pin=operator.attrgetter("specs"))
         # for clip_grads_with_norm_, by layout: a finder, the padding and the specs whose ids the key holds
-        self._scale_finders: GrowingLRU[tuple[RunFinder, tuple[int, ...], tuple]] = GrowingLRU(capacity, max_capacity)
+        self._scale_finders: GrowingLRU[tuple[RunFinder, tuple[int, ...], tuple]] = GrowingLRU(
+            capacity, max_capacity, pin=operator.itemgetter(2)
+        )
         # per (pp mesh, group, inf norm, per-tensor) context: the size of its last all-reduce, for _probe.
         # Keyed by the mesh and group themselves: an id could be taken by a new object on one rank
         # only, which would find a stale record and probe (an all-reduce) while the others exchange.
@@ -184,7 +187,8 @@ def _locals(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def _layout_key(tensors: Sequence[torch.Tensor]) -> tuple:
     """Identifies a layout cheaply: DTensor specs by ``id``, which is sound only while the cache entry
-    under the key holds the specs alive (``_specs``), so that no new spec can take one of those ids;
+    under the key, or the key once dropped, holds the specs alive (``_specs``), so that no new spec
+    can take one of those ids;
     plain tensors by shape and dtype. In C when all tensors are DTensors (no Python line per tensor)."""
     if all(map(isinstance, tensors, repeat(DTensor))):
         return tuple(map(id, map(dtensor_spec, cast("Sequence[DTensor]", tensors))))
