@@ -196,6 +196,8 @@ def bench_case(layout: str, n_tensors: int, tensors_per_unit: int, args) -> dict
         "floor_rw": lambda: flat.mul_(1.0),
         "allreduce": lambda: dist.all_reduce(scalar),
         "flat_clip": flat_clip(flat, args.world_size),
+        "read_grads": lambda: [p.grad for p in params],
+        "ndclip_kernels": ndclip_kernels(params),
     }
     timed = time_methods({**{k: f for k, f in methods.items() if callable(f)}, **references}, args.reps)
     out = {"layout": layout, "per_unit": tensors_per_unit, "n_tensors": len(params), "local_mb": numel * 4 / 2**20,
@@ -213,6 +215,22 @@ def bench_case(layout: str, n_tensors: int, tensors_per_unit: int, args) -> dict
     methods.clear()  # the lambdas hold the model
     gc.collect()
     return out
+
+
+def ndclip_kernels(params: list[nn.Parameter]):
+    """ndclip's device work alone: its norm and scale kernels on the runs its plan makes of this
+    rank's gradients, found once here (no reading of ``p.grad``, no check of the layout)."""
+    plans = nd.NormPlans()
+    nd.get_total_norm([p.grad for p in params], plans=plans)  # collective: every rank builds its plan
+    counted = plans.counted()
+    runs = RunFinder().runs(local_grads(params), counted, [dim0_padding(p.grad) for p in params])
+    one = torch.ones((), dtype=torch.float32)
+
+    def fn() -> None:
+        torch.stack(torch._foreach_norm(runs.to_norm, 2.0, dtype=torch.float32)).pow(2).sum()
+        torch._foreach_mul_(runs.to_scale, one)
+
+    return fn
 
 
 def flat_clip(flat: torch.Tensor, world: int):
@@ -234,7 +252,7 @@ def reduce_ranks(per_rank: list[dict]) -> dict:
     for key in ("local_mb", "build_s", "runs_norm", "runs_scale"):
         row[key] = max(r[key] for r in per_rank)
     row["runs_norm_per_rank"] = [r["runs_norm"] for r in per_rank]
-    for key in METHODS + ("floor_r", "floor_rw", "allreduce", "flat_clip"):
+    for key in METHODS + ("floor_r", "floor_rw", "allreduce", "flat_clip", "read_grads", "ndclip_kernels"):
         if "ms" in row[key]:
             row[key] = dict(row[key], **{k: max(r[key][k] for r in per_rank) for k in ("ms", "first_s")})
     row["rel_err_vs_torch"] = max((r.get("rel_err_vs_torch", 0.0) for r in per_rank), default=0.0)
@@ -270,10 +288,18 @@ def ratio(a: dict, b: dict | float) -> str:
     return f"{a['ms'] / b_ms:.2f}" if "ms" in a and b_ms else "-"
 
 
+def bound(row: dict) -> str:
+    """The least ratio to the flat clip of any clip that reads every ``p.grad`` once per call: the
+    flat clip plus that read (measured alone, in the same rounds)."""
+    flat, read = row["flat_clip"].get("ms"), row["read_grads"].get("ms")
+    return f"{(flat + read) / flat:.2f}" if flat and read is not None else "-"
+
+
 def write_markdown(data: dict, path: Path) -> None:
     head = ("| layout | tensors/unit | N tensors | local MB | runs norm/scale | ndclip ms | ndclip_norm ms | torch ms | "
             "torchtitan ms | floor ms (r + rw) | 1 all-reduce ms | flat clip ms | collectives ndclip/torch/titan | "
-            "1st call s ndclip/torch | ndclip/floor | ndclip/flat clip | ndclip/torch | ndclip/torchtitan |")
+            "1st call s ndclip/torch | ndclip/floor | ndclip/flat clip | ndclip/torch | ndclip/torchtitan | "
+            "read p.grad ms | ndclip kernels ms | (flat clip + read p.grad)/flat clip |")
     lines = [f"# Gradient norm + clip, {data['world_size']} ranks (CPU, gloo, 1 thread per rank)", "",
              "Times: median per call, max over ranks. Runs: max over ranks. See README.md.", "",
              head, "|" + "---|" * (head.count("|") - 1)]
@@ -287,7 +313,8 @@ def write_markdown(data: dict, path: Path) -> None:
             f"{r['floor_ms']:.2f} ({r['floor_r']['ms']:.2f} + {r['floor_rw']['ms']:.2f}) | {fmt(r['allreduce'])} | "
             f"{fmt(r['flat_clip'])} | {coll} | {first} | "
             f"{ratio(r['ndclip'], r['floor_ms'])} | {ratio(r['ndclip'], r['flat_clip'])} | {ratio(r['ndclip'], r['torch'])} | "
-            f"{ratio(r['ndclip'], r['torchtitan'])} |")
+            f"{ratio(r['ndclip'], r['torchtitan'])} | {fmt(r['read_grads'])} | {fmt(r['ndclip_kernels'])} | "
+            f"{bound(r)} |")
     errs = ", ".join(f"{r['layout']} {r.get('per_unit', 8)}/unit N={r['n_tensors']}: {r['rel_err_vs_torch']:.1e}"
                      for r in data["rows"] if "ms" in r["torch"])
     ok = all(r["rel_err_vs_torch"] <= 1e-5 for r in data["rows"])

@@ -30,11 +30,17 @@ def _mlp(dtype: torch.dtype) -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 6), nn.Tanh(), nn.Linear(6, 3)).to(dtype)
 
 
+def _optimizer(name: str, params, **kwargs) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=LR, **kwargs)
+    return torch.optim.SGD(params, lr=LR, momentum=0.9, **kwargs)  # "sgd_momentum"
+
+
 class _Module(L.LightningModule):
-    def __init__(self, fused: bool, nonfinite_step: int | None = None, fsdp: bool = False) -> None:
+    def __init__(self, fused: bool, nonfinite_step: int | None = None, fsdp: bool = False, optimizer: str = "adamw") -> None:
         super().__init__()
         self.net = _mlp(torch.float32)
-        self.fused, self.nonfinite_step, self.fsdp = fused, nonfinite_step, fsdp
+        self.fused, self.nonfinite_step, self.fsdp, self.optimizer = fused, nonfinite_step, fsdp, optimizer
 
     def configure_model(self) -> None:
         if self.fsdp:
@@ -48,7 +54,7 @@ class _Module(L.LightningModule):
         return loss * math.inf if batch_idx == self.nonfinite_step else loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=LR, fused=self.fused, foreach=False if not self.fused else None)
+        return _optimizer(self.optimizer, self.parameters(), fused=self.fused, foreach=False if not self.fused else None)
 
     def train_dataloader(self):
         return DataLoader(_data(), batch_size=LOCAL_BATCH, shuffle=False)
@@ -75,11 +81,11 @@ class _Spy(Callback):
             self.grads.append(torch.cat([g.reshape(-1) for g in full]).double())
 
 
-def _reference(dp: int, nonfinite_step: int | None = None) -> dict:
+def _reference(dp: int, nonfinite_step: int | None = None, optimizer: str = "adamw") -> dict:
     """One float64 device, the same global batches (in the order of the DistributedSampler Lightning
-    injects: shuffled with seed 0; rank r takes every dp-th index from r), torch's clip, AdamW."""
+    injects: shuffled with seed 0; rank r takes every dp-th index from r), torch's clip, the optimizer."""
     model = _mlp(torch.float64)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    opt = _optimizer(optimizer, model.parameters(), foreach=False)
     x, y = _data().tensors
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0)).tolist() if dp > 1 else range(len(x))
     norms, grads = [], []
@@ -94,10 +100,12 @@ def _reference(dp: int, nonfinite_step: int | None = None) -> dict:
     return {"norms": norms, "grads": grads, "params": {n: p.detach() for n, p in model.named_parameters()}}
 
 
-def _fit(devices: int, fused: bool, fold: bool | None = None, nonfinite_step: int | None = None) -> dict:
+def _fit(
+    devices: int, fused: bool, fold: bool | None = None, nonfinite_step: int | None = None, optimizer: str = "adamw"
+) -> dict:
     use_existing_process_group()
     recorder, spy = Recorder(), _Spy()
-    module = _Module(fused, nonfinite_step, fsdp=devices > 1)
+    module = _Module(fused, nonfinite_step, fsdp=devices > 1, optimizer=optimizer)
     strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1) if devices > 1 else "auto"
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=recorder, log_every_n_steps=1,
@@ -113,7 +121,7 @@ def _fit(devices: int, fused: bool, fold: bool | None = None, nonfinite_step: in
         "folded": spy.folded,
         "left_over": spy.left_over,
         "grads": spy.grads,
-        "steps": sorted({int(s["step"]) for s in opt.state.values()}),
+        "steps": sorted({int(s["step"]) for s in opt.state.values() if "step" in s}),
         "params": {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in module.net.named_parameters()},
     }
 
@@ -152,12 +160,24 @@ def test_folded_clip_matches_one_float64_device(devices):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_folded_skip_leaves_parameters_and_state_on_the_device():
-    ref = _reference(2, nonfinite_step=1)
-    for result in run_on_ranks(2, _fit, 2, True, None, 1):
-        _assert_matches(result, ref, skipped=1)
-        assert result["folded"][1] == {"found_inf": 1.0}  # gradients kept, the kernel skips
-        assert result["steps"] == [STEPS - 1]  # the skipped step does not count in Adam's state
+def _fit_after_garbage(*args) -> dict:
+    # freed memory full of large values, where the optimizer's first torch.empty_like may land
+    garbage = [torch.full((n,), 1e3) for n in (96, 16, 6, 18, 3) for _ in range(20)]
+    del garbage
+    return _fit(*args)
+
+
+@pytest.mark.parametrize(("optimizer", "devices"), [("adamw", 2), ("sgd_momentum", 1)])  # no fused SGD on DTensors
+def test_a_skipped_first_step_drops_the_gradients_of_a_fused_optimizer(optimizer, devices):
+    """Not left to the fused kernel through found_inf: its first step makes the state (SGD's momentum
+    from torch.empty_like) before skipping, and SGD kept that uninitialised memory as momentum."""
+    ref = _reference(devices, nonfinite_step=0, optimizer=optimizer)
+    for result in run_on_ranks(devices, _fit_after_garbage, devices, True, None, 0, optimizer):
+        _assert_matches(result, ref, skipped=0)
+        assert result["folded"][0] == {}  # gradients dropped: the optimizer skips every parameter
+        assert [set(f) for f in result["folded"][1:]] == [{"grad_scale"}] * (STEPS - 1)
+        if optimizer == "adamw":
+            assert result["steps"] == [STEPS - 1]  # the skipped step does not count in Adam's state
 
 
 def _required_without_fused() -> str:

@@ -42,9 +42,8 @@ class GlobalNormClip(Callback):
         max_norm: the maximum global norm.
         norm_type: p of the p-norm (any ``p > 0``, or ``inf``).
         nonfinite: what to do when the norm is ``nan`` or ``inf`` (decided identically on every rank,
-            since the norm is): ``"skip"`` (default) drops every gradient (``grad = None``; or sets
-            ``found_inf`` when folded, see ``fold_into_optimizer``) so the optimizer leaves
-            parameters and state unchanged, counts the step in
+            since the norm is): ``"skip"`` (default) drops every gradient (``grad = None``) so the
+            optimizer leaves parameters and state unchanged, counts the step in
             ``grad_norm/skipped_steps`` and warns; ``"raise"`` raises ``RuntimeError``; ``"clip"``
             scales anyway (gradients become non-finite, as with PyTorch). ``"skip"`` and ``"raise"``
             read one boolean on the host per step, and first compute a non-finite norm again with
@@ -65,10 +64,8 @@ class GlobalNormClip(Callback):
             ``grad_scale`` and ``found_inf`` attributes ``GradScaler`` sets (torch's Adam, AdamW,
             SGD and Adagrad with ``fused=True``) gets ``grad_scale = 1 / coef`` and divides every
             gradient by it in its own pass, writing it back, so ``p.grad`` ends clipped as without
-            folding (up to one rounding of ``1 / coef``), one pass over the gradients fewer; with
-            ``nonfinite="skip"`` a non-finite step is skipped on the device through ``found_inf``
-            (``1``) instead of by dropping every gradient. The attributes are removed after the
-            step. ``None`` (default): fold wherever the optimizer supports it, unless the norm is
+            folding (up to one rounding of ``1 / coef``), one pass over the gradients fewer. The
+            attribute is removed after the step. ``None`` (default): fold wherever the optimizer supports it, unless the norm is
             accumulated in float64 (the coefficient travels in float32, as ``GradScaler``'s
             scale does); ``True``: fold float64 norms too, and raise ``ValueError`` at fit start
             for an optimizer that does not support it; ``False``: never fold.
@@ -143,9 +140,9 @@ class GlobalNormClip(Callback):
         self._clipped: torch.Tensor | None = None  # device tensor: steps with a finite norm and coef < 1
         self._groupings: dict[str, tuple[tuple[str, ...], list[str], torch.Tensor]] = {}
         self._named_cache: list[tuple[str, torch.Tensor]] | None = None
-        # per optimizer: the handle of the step post-hook that removes what _fold set, and what it set
+        # per optimizer: the handle of the step post-hook that removes the grad_scale _fold set
         self._unfold_hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, RemovableHandle] = weakref.WeakKeyDictionary()
-        self._folded: dict[int, tuple[str, ...]] = {}
+        self._folded: set[int] = set()  # ids of the optimizers whose grad_scale the callback set
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -253,11 +250,10 @@ class GlobalNormClip(Callback):
                     f"{trainer.global_step} (raised on every rank; nonfinite='skip' skips such steps)"
                 )
             else:
-                if fold:
-                    self._fold(optimizer, found_inf=torch.ones((), dtype=torch.float32, device=total.device), scaler=None)
-                else:
-                    for p in params:
-                        p.grad = None
+                # not through found_inf: a fused optimizer's first step makes its state (SGD's momentum
+                # from torch.empty_like) before the kernel skips, and would keep it uninitialised
+                for p in params:
+                    p.grad = None
                 self.skipped_steps += 1
                 rank_zero_warn(  # every rank skips alike: one warning for the job
                     f"GlobalNormClip: non-finite global gradient norm at step {trainer.global_step}; the "
@@ -265,7 +261,7 @@ class GlobalNormClip(Callback):
                     category=RuntimeWarning,
                 )
         elif fold:
-            self._fold(optimizer, grad_scale=(1.0 / coef).to(torch.float32), scaler=scaler)
+            self._fold(optimizer, (1.0 / coef).to(torch.float32), scaler)
         else:
             norms.clip_(self.max_norm)
         self._count(total, coef)
@@ -282,22 +278,20 @@ class GlobalNormClip(Callback):
             and not hasattr(optimizer, "found_inf")
         )
 
-    def _fold(self, optimizer: torch.optim.Optimizer, scaler: Any, **values: torch.Tensor) -> None:
-        """Set ``values`` (``grad_scale`` / ``found_inf``) on ``optimizer`` for its next step. A
-        ``GradScaler`` removes them after the step it drives (multiplying its scale into
-        ``grad_scale``, replacing ``found_inf`` with its own, which a non-finite gradient also sets);
-        otherwise a step post-hook registered once per optimizer removes them."""
-        for name, value in values.items():
-            setattr(optimizer, name, value)
+    def _fold(self, optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor, scaler: Any) -> None:
+        """Set ``grad_scale`` on ``optimizer`` for its next step. A ``GradScaler`` removes it after the
+        step it drives (multiplying its own scale into it); otherwise a step post-hook registered once
+        per optimizer removes it."""
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         if scaler is None:
-            self._folded[id(optimizer)] = tuple(values)
+            self._folded.add(id(optimizer))
             if optimizer not in self._unfold_hooks:
                 self._unfold_hooks[optimizer] = optimizer.register_step_post_hook(self._unfold)
 
     def _unfold(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for name in self._folded.pop(id(optimizer), ()):
-            if hasattr(optimizer, name):
-                delattr(optimizer, name)
+        if id(optimizer) in self._folded and hasattr(optimizer, "grad_scale"):
+            del optimizer.grad_scale
+        self._folded.discard(id(optimizer))
 
     def _named(self, pl_module: pl.LightningModule, params: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """``(name, parameter)`` for the optimizer's parameters, cached while they stay the same."""
