@@ -66,3 +66,24 @@ def test_losses_that_cannot_be_scaled_exactly_are_refused_naming_their_source():
         SampleWeights([torch.ones(2, 3)], [torch.ones(1)], torch.tensor(1), torch.tensor(1), torch.tensor(False)).normalize(
             torch.ones(3)
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_losses_keep_their_share_and_gradients_for_large_counts(dtype):
+    """A float16 count above 65504 is inf and a float16 weight below ~6e-8 is 0: computed in the
+    loss's dtype, the share and every gradient were 0. The share is computed in float32."""
+    n = 100_000
+    per_token = torch.full((n,), 1.5, dtype=dtype, requires_grad=True)
+    share = loss_share(per_token, _count(n))
+    assert share.dtype == dtype
+    torch.testing.assert_close(share.double(), torch.tensor(1.5, dtype=torch.float64), rtol=1e-2, atol=0)
+    share.backward()
+    torch.testing.assert_close(per_token.grad.double(), torch.full((n,), 1.0 / n, dtype=torch.float64), rtol=1e-2, atol=0)
+
+    mean = loss_share(torch.tensor(1.5, dtype=dtype), _count(n), local_tokens=torch.tensor(n), reduction="mean")
+    torch.testing.assert_close(mean.double(), torch.tensor(1.5, dtype=torch.float64), rtol=1e-2, atol=0)
+
+    weights = torch.full((4096,), 1.0 / (512 * 100_000), dtype=torch.float64)  # 512 samples of 1e5 tokens
+    losses = torch.full((4096,), 2.0, dtype=dtype)
+    weighted = loss_share(losses, weights)
+    torch.testing.assert_close(weighted.double(), (2.0 * weights).sum(), rtol=1e-2, atol=0)

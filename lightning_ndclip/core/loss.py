@@ -161,17 +161,20 @@ def loss_share(
     Raises:
         ValueError: naming ``source``, for a loss that cannot be scaled exactly.
     """
+    # in at least float32, back to the loss's dtype at the end: in float16 a count above 65504 is inf
+    # and a sample weight below about 6e-8 is 0, either of which made the share and every gradient 0
+    wide = torch.promote_types(loss.dtype, torch.float32)
     if isinstance(normalization, torch.Tensor):
         if loss.shape != normalization.shape:
             raise ValueError(
                 f"with loss_normalization='sample_mean', {source} must return per-token losses shaped like the "
                 f"micro-batch's sample ids {tuple(normalization.shape)}, got {tuple(loss.shape)}"
             )
-        return (loss * normalization.to(loss.dtype)).sum()
+        return (loss.to(wide) * normalization.to(wide)).sum().to(loss.dtype)
     if loss.dim() > 0:
-        loss_sum = loss.sum()
+        loss_sum = loss.sum(dtype=wide)
     elif reduction == "sum":
-        loss_sum = loss
+        loss_sum = loss.to(wide)
     elif reduction != "mean":
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     elif local_tokens is None:
@@ -182,8 +185,8 @@ def loss_share(
         )
     else:
         count = local_tokens.to(device=loss.device)
-        loss_sum = torch.where(count > 0, loss * count.to(loss.dtype), torch.zeros_like(loss))
-    share = loss_sum / normalization.total.clamp(min=1).to(loss_sum.dtype)
+        loss_sum = torch.where(count > 0, loss.to(wide) * count.to(wide), torch.zeros((), dtype=wide, device=loss.device))
+    share = (loss_sum / normalization.total.clamp(min=1).to(wide)).to(loss.dtype)
     return share if normalization.invalid is None else torch.where(normalization.invalid > 0, torch.nan, share)
 
 
