@@ -236,3 +236,39 @@ def test_a_url_is_refused_on_every_rank_instead_of_written_to_a_local_directory(
 def test_lightning_writes_a_url_to_a_local_directory(tmp_path):
     run_on_ranks(2, _url_case, str(tmp_path), "lightning", timeout=60)
     assert (tmp_path / "s3:" / "bucket" / "model.ckpt" / "meta.pt").is_file()
+
+
+class _Ranks:
+    """What refuse_incomplete_checkpoint needs of a strategy: the rank and a broadcast from rank 0."""
+
+    global_rank = property(lambda self: dist.get_rank())
+
+    def broadcast(self, obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def _unreadable_check_case(directory: str) -> str:
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from lightning_ndclip.core._checkpoint import refuse_incomplete_checkpoint
+
+    path = Path(directory) / "odd.ckpt"
+    if dist.get_rank() == 0:  # a .metadata whose storage entries have no relative_path: the check itself fails
+        path.mkdir()
+        (path / "meta.pt").write_bytes(b"")
+        (path / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={}, storage_data={"w": None})))
+    dist.barrier()
+    with pytest.raises(ValueError) as info:
+        refuse_incomplete_checkpoint(_Ranks(), path)
+    return str(info.value)
+
+
+def test_an_error_while_rank_0_checks_a_checkpoint_is_raised_on_every_rank(tmp_path):
+    # it used to escape on rank 0 only, leaving the others waiting in the broadcast
+    first, second = run_on_ranks(2, _unreadable_check_case, str(tmp_path), timeout=30)
+    assert first == second
+    assert "could not check the checkpoint" in first and str(tmp_path / "odd.ckpt") in first and "AttributeError" in first

@@ -502,3 +502,30 @@ def test_a_dropped_layout_keeps_its_specs_alive_until_the_plans_are_cleared():
     # rank's cache hit and miss unlike the others'
     for kept, freed_after_clear in run_on_ranks(2, _dropped_layout_case):
         assert kept and freed_after_clear
+
+
+def _tied_without_gradient_case() -> float:
+    torch.manual_seed(dist.get_rank())
+    lin = torch.nn.Linear(3, 3, dtype=torch.float64)
+    lin(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+    embed = torch.nn.Parameter(torch.ones(3, dtype=torch.float64), requires_grad=False)  # tied, no gradient
+    holds = dist.get_rank() != 1  # ranks 0 and 2 hold a copy, as the first and last pipeline stages
+    params = [lin.weight, lin.bias] + ([embed] if holds else [])
+    pp_mesh = init_device_mesh("cpu", (3,), mesh_dim_names=("pp",))
+    total = nd.clip_grad_norm_(params, 1e9, pp_mesh=pp_mesh, tied_parameters={"embed": embed} if holds else None)
+    return float(total)
+
+
+def test_a_tied_parameter_without_a_gradient_is_left_out_on_every_rank():
+    # its holders raised "tied entries are not among the parameters passed" while the others waited
+    totals = run_on_ranks(3, _tied_without_gradient_case, timeout=60)
+    grads = []
+    for rank in range(3):
+        torch.manual_seed(rank)
+        lin = torch.nn.Linear(3, 3, dtype=torch.float64)
+        lin(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+        grads += [lin.weight.grad, lin.bias.grad]
+    expected = reference_norm(grads, 2.0)
+    for total in totals:
+        assert_close(torch.tensor(total, dtype=torch.float64), expected)
+

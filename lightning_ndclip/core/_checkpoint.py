@@ -189,8 +189,15 @@ def checkpoint_problem(path: Path) -> str | None:
 
 def refuse_incomplete_checkpoint(strategy: Any, path: Path) -> None:
     """Raise the same ``ValueError`` on every rank if :func:`checkpoint_problem` finds one (rank 0 looks,
-    and broadcasts its verdict: the ranks never disagree on whether to load)."""
-    problem = strategy.broadcast(checkpoint_problem(path) if strategy.global_rank == 0 else None)
+    and broadcasts its verdict: the ranks never disagree on whether to load). An error while looking is
+    the verdict too, instead of leaving the other ranks waiting in the broadcast."""
+    problem = None
+    if strategy.global_rank == 0:
+        try:
+            problem = checkpoint_problem(path)
+        except Exception as exc:  # any error reading the directory (permissions, a foreign layout)
+            problem = f"could not check the checkpoint {str(path)!r} on rank 0: {type(exc).__name__}: {exc}"
+    problem = strategy.broadcast(problem)
     if problem is not None:
         raise ValueError(problem)
 

@@ -521,16 +521,14 @@ def _as_tensor_list(tensors: torch.Tensor | Iterable[torch.Tensor]) -> list[torc
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
-def _tie_keys(
-    tensors: Sequence[torch.Tensor], tied: Mapping[str, torch.Tensor] | None, what: str
-) -> list[str | None] | None:
+def _tie_keys(tensors: Sequence[torch.Tensor], tied: Mapping[str, torch.Tensor] | None) -> list[str | None] | None:
     if not tied:
         return None
+    # entries not among the tensors are not counted here (a tied parameter without a gradient on this
+    # rank, or owned by another optimizer); raising on the ranks holding it would leave the others waiting
     key_of = {id(t): k for k, t in tied.items()}
-    keys = [key_of.pop(id(t), None) for t in tensors]
-    if key_of:
-        raise ValueError(f"tied entries {sorted(key_of.values())} are not among the {what} passed")
-    return keys
+    keys = [key_of.get(id(t)) for t in tensors]
+    return keys if any(k is not None for k in keys) else None
 
 
 @torch.no_grad()
@@ -591,7 +589,7 @@ def get_total_norm(
     return _global_norm(
         tensors,
         None,
-        _tie_keys(tensors, tied, "tensors"),
+        _tie_keys(tensors, tied),
         norm_type,
         per_tensor=False,
         error_if_nonfinite=error_if_nonfinite,
@@ -696,7 +694,7 @@ def clip_grad_norm_(
     norms = _global_norm(
         grads,
         None,
-        _tie_keys(params, tied_parameters, "parameters"),
+        _tie_keys(params, tied_parameters),
         norm_type,
         per_tensor=False,
         error_if_nonfinite=error_if_nonfinite,
@@ -744,7 +742,7 @@ def grad_norms(
     return _global_norm(
         [g for _, _, g in kept],
         [n for n, _, _ in kept],
-        _tie_keys(params, tied_parameters, "parameters"),
+        _tie_keys(params, tied_parameters),
         norm_type,
         per_tensor=per_tensor,
         error_if_nonfinite=False,
