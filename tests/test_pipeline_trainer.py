@@ -462,3 +462,37 @@ def test_an_error_in_pipeline_loss_raises_on_every_stage(normalization, error, t
     assert last[0] == error and text in last[1]
     assert first[0] == "RuntimeError"
     assert f"pipeline_loss raised on the last pipeline stage (global rank 1): {error}" in first[1] and text in first[1]
+
+
+class _ManualTiedPipelinedLM(_TiedPipelinedLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def _refused_pp_case(what: str) -> str:
+    use_existing_process_group()
+    if what == "full_checkpoint":
+        module = _PipelinedLM()
+        options = nd.PipelineOptions(split_points=["layers.2"], microbatches=2)
+        strategy = nd.NDParallelStrategy(pp=2, pipeline=options, save_distributed_checkpoint=False)
+    else:
+        module = _ManualTiedPipelinedLM()
+        ties = [("embed.weight", "head.weight")]
+        strategy = nd.NDParallelStrategy(
+            pp=2, pipeline=nd.PipelineOptions(split_points=["layers.2"], microbatches=2, tied_parameters=ties)
+        )
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError) as info:
+        trainer.fit(module)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("what", ["full_checkpoint", "manual_with_ties"])
+def test_pipeline_setups_that_would_train_or_save_wrong_are_refused_on_every_rank(what):
+    """A full checkpoint held only rank 0's stages; under manual optimization each tied copy stepped
+    on its own stage's gradient (the copies are summed after training_step returns)."""
+    expected = {"full_checkpoint": "save_distributed_checkpoint=True", "manual_with_ties": "automatic optimization"}
+    for message in run_on_ranks(2, _refused_pp_case, what):
+        assert expected[what] in message, message

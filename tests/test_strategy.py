@@ -572,3 +572,29 @@ def _hsdp_trap_case(trap: str) -> str:
 def test_a_parameter_reduced_over_part_of_its_data_ranks_is_refused_naming_it(trap, expected):
     messages = run_on_ranks(4, _hsdp_trap_case, trap)
     assert all(expected in m and m.startswith("rank 0: ") for m in messages), messages
+
+
+class _ManualTokenModule(_TokenModule):
+    def __init__(self) -> None:
+        super().__init__("mean")
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)  # the micro-batch's own mean: scaling the returned loss comes too late
+        self.optimizers().step()
+        return loss
+
+
+def _manual_token_mean_case() -> str:
+    use_existing_process_group()
+    strategy = NDParallelStrategy(dp_shard=2, loss_normalization="token_mean")
+    with pytest.raises(ValueError) as info:
+        _trainer(strategy, devices=2, max_steps=1).fit(_ManualTokenModule())
+    return str(info.value)
+
+
+def test_loss_normalization_with_manual_optimization_is_refused_on_every_rank():
+    # it trained on the unscaled per-rank means with SUM reductions: gradients ~dp times too large
+    for message in run_on_ranks(2, _manual_token_mean_case):
+        assert "loss_normalization='token_mean'" in message and "manual optimization" in message, message

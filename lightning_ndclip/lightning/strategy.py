@@ -289,6 +289,12 @@ class NDParallelStrategy(ModelParallelStrategy):
                 f"{self.num_processes} devices)"
             )
         self._dims = ParallelDims(world_size=world_size, **sizes)  # before any collective
+        if self._dims.pp > 1 and not _compat.save_distributed_checkpoint(self):
+            raise ValueError(
+                "NDParallelStrategy(pp > 1, save_distributed_checkpoint=False): a full checkpoint is written by "
+                "rank 0, which holds only its own pipeline stages; the others' parameters would be missing. Use "
+                "save_distributed_checkpoint=True (one shard per rank)"
+            )
         module = self._module
         if self._dims.pp > 1:
             self._pipeline = PipelineRunner(self._pp, self._microbatches, self.root_device)
@@ -374,8 +380,22 @@ class NDParallelStrategy(ModelParallelStrategy):
                 f"NDParallelStrategy(loss_normalization={self._loss_normalization!r}) needs the "
                 f"LightningModule to define {needed}"
             )
+        if self._loss_normalization is not None and not module.automatic_optimization:
+            raise ValueError(
+                f"NDParallelStrategy(loss_normalization={self._loss_normalization!r}) scales the loss that "
+                "training_step returns, after manual optimization has already run backward and stepped on the "
+                "unscaled one. With manual optimization, use loss_normalization=None with sum_reduction=True and "
+                "scale each loss before manual_backward: lightning_ndclip.sync_token_count(counts).normalize(loss_sum) "
+                "or sync_sample_weights(...).normalize(token_losses)"
+            )
         if self._pipeline is not None:
             self._pipeline.setup(module, self.meshes, self._plan)
+            if self._pipeline.config.tied_parameters and not module.automatic_optimization:  # the same on every rank
+                raise ValueError(
+                    "NDParallelStrategy(pp > 1) with tied parameters needs automatic optimization: the copies' "
+                    "gradients are summed over their stages after training_step returns, and manual optimization "
+                    "steps before that, each copy on its own stage's gradient"
+                )
         elif self._plan:
             self._apply_declarative_plan(module)
         elif not is_overridden("configure_model", module):
