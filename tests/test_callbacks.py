@@ -297,3 +297,48 @@ def test_each_logged_norm_is_the_norm_of_the_step_it_is_logged_at():
     assert [s for s, _ in logged][:2] == [1, 3], logged
     for step, value in logged:
         assert abs(value - ref_norms[step]) <= 1e-12 * ref_norms[step], (step, value, ref_norms)
+
+
+class _TwoOptimizerModule(MlpModule):
+    """Manual optimization stepping two optimizers (the first layer, the rest) in every batch."""
+
+    def __init__(self) -> None:
+        super().__init__(tp=False)
+        self.automatic_optimization = False
+        self.true_norms: list[tuple[float, float]] = []
+
+    def configure_model(self) -> None:
+        pass
+
+    def training_step(self, batch, batch_idx):
+        first, rest = self.optimizers()
+        first.zero_grad()
+        rest.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        groups = (list(self.net[0].parameters()), list(self.net[2:].parameters()))
+        self.true_norms.append(tuple(float(torch.nn.utils.get_total_norm([p.grad for p in g])) for g in groups))
+        first.step()
+        rest.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net[0].parameters(), lr=LR), torch.optim.SGD(self.net[2:].parameters(), lr=LR)
+
+
+def _two_optimizers_case() -> dict:
+    use_existing_process_group()
+    recorder, module = Recorder(), _TwoOptimizerModule()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, callbacks=[GlobalNormClip(1e9)],
+                        logger=recorder, log_every_n_steps=1, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module)
+    logged = [(m["grad_norm/opt0/total"], m["grad_norm/opt1/total"]) for _, m in recorder.rows if "grad_norm/opt0/total" in m]
+    return {"logged": logged, "true": module.true_norms, "unprefixed": any("grad_norm/total" in m for _, m in recorder.rows)}
+
+
+def test_each_of_several_optimizers_logs_its_own_norms():
+    # under one key, both optimizers' values in one batch kept only the second's
+    (result,) = run_on_ranks(1, _two_optimizers_case)
+    assert len(result["logged"]) == len(result["true"]) > 0 and not result["unprefixed"]
+    for logged, true in zip(result["logged"], result["true"]):
+        assert logged == pytest.approx(true, rel=1e-6)
+        assert abs(true[0] - true[1]) > 1e-3 * true[1]  # distinct values, so one cannot stand for the other

@@ -84,7 +84,8 @@ class GlobalNormClip(Callback):
 
     Logged (pre-clip and post-clip are both named, so neither is mistaken for the other):
     ``grad_norm/total`` (pre-clip), ``grad_norm/clipped`` (post-clip), ``grad_norm/clip_coef``,
-    ``grad_norm/skipped_steps``.
+    ``grad_norm/skipped_steps``; with several optimizers, each under ``grad_norm/opt<i>/`` (its
+    index in ``trainer.optimizers``), since one batch may step them all.
 
     Counters, for run summaries (all kept in the callback's checkpoint state): the read-only
     properties ``seen_steps`` (optimizer steps seen), ``clipped_steps`` (steps whose finite norm
@@ -266,7 +267,7 @@ class GlobalNormClip(Callback):
             norms.clip_(self.max_norm)
         self._count(total, coef)
         if log_now:
-            self._log(pl_module, norms, coef)
+            self._log(pl_module, norms, coef, _log_prefix(trainer, optimizer))
 
     def _can_fold(self, optimizer: torch.optim.Optimizer, total: torch.Tensor) -> bool:
         """Whether this step's clip is left to ``optimizer`` (see ``fold_into_optimizer``)."""
@@ -317,7 +318,7 @@ class GlobalNormClip(Callback):
         self._clipped = clipped if self._clipped is None else self._clipped.to(clipped.device) + clipped
         self._seen_steps += 1
 
-    def _log(self, pl_module: pl.LightningModule, norms: GradNorms, coef: torch.Tensor) -> None:
+    def _log(self, pl_module: pl.LightningModule, norms: GradNorms, coef: torch.Tensor, prefix: str) -> None:
         values: dict[str, torch.Tensor | float] = {
             "grad_norm/total": norms.total,
             "grad_norm/clipped": norms.total * coef,
@@ -327,6 +328,7 @@ class GlobalNormClip(Callback):
         if norms.per_tensor is not None:
             values.update(self._detail(norms))
         for key, value in values.items():
+            key = key.replace("grad_norm/", prefix, 1)
             pl_module.log(key, value, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True)
 
     def _detail(self, norms: GradNorms) -> dict[str, torch.Tensor]:
@@ -365,3 +367,12 @@ class GlobalNormClip(Callback):
             grouped.index_add_(0, index, norms.per_tensor.to(torch.float64).pow(p))
             grouped = grouped.pow(1.0 / p)
         return {f"grad_norm/{label}": value for label, value in zip(labels, grouped.unbind())}
+
+
+def _log_prefix(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> str:
+    """``grad_norm/``, or ``grad_norm/opt<i>/`` for the trainer's i-th of several optimizers: one
+    batch may step several, and values logged under one key in one batch keep only the last."""
+    if len(trainer.optimizers) < 2:
+        return "grad_norm/"
+    index = next((i for i, o in enumerate(trainer.optimizers) if o is optimizer), None)
+    return "grad_norm/" if index is None else f"grad_norm/opt{index}/"
