@@ -27,8 +27,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import lightning_ndclip as nd
+from lightning_ndclip._compat import foreach_mul_, foreach_norm
 from lightning_ndclip.core._layout import dim0_padding
-from lightning_ndclip.core._runs import RunFinder
+from lightning_ndclip.core._runs import RunFinder, Runs
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WIDTH_FACTORS = (1.0, 0.8, 1.25, 0.9)  # unit widths d0 -> d1 -> d2 -> d3 -> d0 (relative)
@@ -103,14 +104,19 @@ def local_grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
     return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
 
 
-def count_runs(params: list[nn.Parameter], plans: nd.NormPlans) -> tuple[int, int]:
-    """(#runs to norm, #runs to scale) that ndclip's RunFinder makes of this rank's gradients, counting
-    the tensors that the plan ``plans`` used last counts (all of them if that plan is for other tensors)."""
+def find_runs(params: list[nn.Parameter], plans: nd.NormPlans) -> Runs:
+    """The runs that ndclip's RunFinder makes of this rank's gradients, counting the tensors that the
+    plan ``plans`` used last counts (all of them if that plan is for other tensors)."""
     locals_ = local_grads(params)
     counted = plans.counted()
     if counted is None or len(counted) != len(locals_):
         counted = (True,) * len(locals_)
-    runs = RunFinder().runs(locals_, counted, [dim0_padding(p.grad) for p in params])
+    return RunFinder().runs(locals_, counted, [dim0_padding(p.grad) for p in params])
+
+
+def count_runs(params: list[nn.Parameter], plans: nd.NormPlans) -> tuple[int, int]:
+    """(#runs to norm, #runs to scale): see :func:`find_runs`."""
+    runs = find_runs(params, plans)
     return len(runs.to_norm), len(runs.to_scale)
 
 
@@ -222,13 +228,12 @@ def ndclip_kernels(params: list[nn.Parameter]):
     rank's gradients, found once here (no reading of ``p.grad``, no check of the layout)."""
     plans = nd.NormPlans()
     nd.get_total_norm([p.grad for p in params], plans=plans)  # collective: every rank builds its plan
-    counted = plans.counted()
-    runs = RunFinder().runs(local_grads(params), counted, [dim0_padding(p.grad) for p in params])
+    runs = find_runs(params, plans)
     one = torch.ones((), dtype=torch.float32)
 
     def fn() -> None:
-        torch.stack(torch._foreach_norm(runs.to_norm, 2.0, dtype=torch.float32)).pow(2).sum()
-        torch._foreach_mul_(runs.to_scale, one)
+        torch.stack(foreach_norm(runs.to_norm, 2.0, dtype=torch.float32)).pow(2).sum()
+        foreach_mul_(runs.to_scale, one)
 
     return fn
 

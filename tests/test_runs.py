@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from lightning_ndclip._compat import foreach_mul_
 from lightning_ndclip.core._runs import RunFinder
 
 
@@ -45,7 +46,7 @@ def test_runs_stop_at_gaps_and_scaling_leaves_padding_untouched():
     buffer, views = _fsdp_like([6, 4, 10, 8], [0, 3, 0, 2])  # NaN padding after views 1 and 3
     _, to_scale = _check(RunFinder(), views, [True] * 4)
     assert len(to_scale) == 2  # [v0 v1] gap [v2 v3] gap
-    torch._foreach_mul_(to_scale, 0.5)
+    foreach_mul_(to_scale, 0.5)
     assert torch.isnan(buffer).sum() == 5  # the padding still holds its NaNs
 
 
@@ -54,13 +55,13 @@ def test_declared_padding_joins_the_scale_runs_only_when_its_size_matches_the_ga
     to_norm, to_scale = _check(RunFinder(), views, [True] * 4, padding=[0, 3, 0, 2])
     assert len(to_scale) == 1 and to_scale[0] is buffer  # padding after views 1 and 3 included
     assert len(to_norm) == 2  # the norm never reads the padding
-    torch._foreach_mul_(to_scale, 0.5)
+    foreach_mul_(to_scale, 0.5)
     assert int((buffer == 0.5).sum()) == 5  # the padding was scaled along (harmless: nobody reads it)
 
     buffer, views = _fsdp_like([6, 4, 10, 8], [0, 3, 0, 2], fill=1.0)
     _, to_scale = _check(RunFinder(), views, [True] * 4, padding=[0, 2, 0, 3])  # not the gaps' sizes
     assert len(to_scale) == 2
-    torch._foreach_mul_(to_scale, 0.5)
+    foreach_mul_(to_scale, 0.5)
     assert int((buffer == 1.0).sum()) == 5  # gaps that are not declared padding are never written
 
 
@@ -163,7 +164,7 @@ def test_several_buffers_gaps_uncounted_views_and_single_tensors_in_one_list():
         buffers, views = make()
         to_norm, to_scale = _check(finder, views, counted)
         assert (len(to_norm), len(to_scale)) == (6, 5)  # runs: tiled 1, gapped 2, mixed 2 (norm) / 1 (scale), plain 1
-        torch._foreach_mul_(to_scale, 2.0)
+        foreach_mul_(to_scale, 2.0)
         assert int(torch.isnan(buffers[1]).sum()) == 3  # the gap was never written
 
 

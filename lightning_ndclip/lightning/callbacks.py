@@ -65,10 +65,11 @@ class GlobalNormClip(Callback):
             SGD and Adagrad with ``fused=True``) gets ``grad_scale = 1 / coef`` and divides every
             gradient by it in its own pass, writing it back, so ``p.grad`` ends clipped as without
             folding (up to one rounding of ``1 / coef``), one pass over the gradients fewer. The
-            attribute is removed after the step. ``None`` (default): fold wherever the optimizer supports it, unless the norm is
-            accumulated in float64 (the coefficient travels in float32, as ``GradScaler``'s
-            scale does); ``True``: fold float64 norms too, and raise ``ValueError`` at fit start
-            for an optimizer that does not support it; ``False``: never fold.
+            attribute is removed after the step. ``None`` (default): fold wherever the optimizer
+            supports it, unless the norm is accumulated in float64 (the coefficient travels in
+            float32, as ``GradScaler``'s scale does); ``True``: fold float64 norms too, and raise
+            ``ValueError`` at fit start for an optimizer that does not support it; ``False``: never
+            fold.
         pp_mesh, tied_parameters, process_group, accumulate_dtype: as in
             :func:`lightning_ndclip.clip_grad_norm_`.
 
