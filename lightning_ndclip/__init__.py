@@ -47,6 +47,7 @@ from lightning_ndclip.core.reduce import sum_allreduce_hook, use_sum_reduction
 from lightning_ndclip.core.replicas import broadcast_replicas_
 from lightning_ndclip.core.ring_attention import ring_attention
 from lightning_ndclip.core.summary import ModuleRow, ParallelSummary, summarize
+from lightning_ndclip.core.tensor_parallel import check_ties, tensor_parallelize, tied_parameters
 
 _LIGHTNING_NAMES = ("GlobalMeanLoss", "GlobalNormClip", "NDParallelStrategy")
 
@@ -91,6 +92,7 @@ __all__ = [
     "broadcast_replicas_",
     "build_pipeline",
     "check_data_parallel_reduction",
+    "check_ties",
     "clip_grad_norm_",
     "clip_grads_with_norm_",
     "context_parallel_attention",
@@ -113,6 +115,8 @@ __all__ = [
     "sync_sample_weights",
     "sync_tied_parameters",
     "sync_token_count",
+    "tensor_parallelize",
     "tie_gradients",
+    "tied_parameters",
     "use_sum_reduction",
 ]

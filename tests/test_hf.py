@@ -14,12 +14,12 @@ from lightning_ndclip.core.hf import hf_tp_plan
 transformers = pytest.importorskip("transformers")
 
 
-def _llama() -> nn.Module:
+def _llama(tied: bool = False) -> nn.Module:
     """A tiny Llama built from a config (random weights, nothing downloaded): 4 heads and 2 key/value heads, so
-    tp=2 splits both."""
+    tp=2 splits both; ``tied``: the LM head shares the input embedding's weight (as Llama-3.2-1B ships)."""
     config = transformers.LlamaConfig(
         vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False,
+        num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=tied,
     )  # fmt: skip
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from lightning_ndclip.core.parallelism import matches_plan_key
+from lightning_ndclip.core.tensor_parallel import matches_plan_key
 
 __all__ = ["HF_STYLES", "hf_tp_plan"]
 

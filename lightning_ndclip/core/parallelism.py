@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from typing import Any, Literal
 
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_ndclip._compat import checkpoint_wrapper
 from lightning_ndclip.core.mesh import ParallelMeshes
+from lightning_ndclip.core.tensor_parallel import tensor_parallelize
 
 __all__ = ["ParallelPlan", "parallelize"]
 
@@ -42,13 +42,6 @@ def _check_classes(module: nn.Module, argument: str, classes: Sequence[type[nn.M
         )
 
 
-def matches_plan_key(name: str, key: str) -> bool:
-    """Whether a module name matches a plan key part by part, ``*`` standing for one part (as in
-    ``parallelize_module``)."""
-    parts, patterns = name.split("."), key.split(".")
-    return len(parts) == len(patterns) and all(fnmatchcase(p, q) for p, q in zip(parts, patterns))
-
-
 def parallelize(
     module: nn.Module,
     meshes: ParallelMeshes,
@@ -66,9 +59,11 @@ def parallelize(
         module: the model (modified in place and returned).
         meshes: the strategy's meshes; TP uses ``tp``, FSDP2 uses ``fsdp`` (``dp_shard_cp``, or
             ``dp_replicate x dp_shard_cp`` for HSDP).
-        tp_plan: ``{module name: ParallelStyle}`` for ``parallelize_module`` (names relative to
-            ``module``; wildcards as in PyTorch), or ``"auto"``: the own plans of the Hugging Face
-            ``transformers`` models inside ``module`` (:func:`lightning_ndclip.core.hf.hf_tp_plan`).
+        tp_plan: ``{module name: ParallelStyle}`` (names relative to ``module``; wildcards as in
+            PyTorch), or ``"auto"``: the own plans of the Hugging Face ``transformers`` models inside
+            ``module`` (:func:`lightning_ndclip.core.hf.hf_tp_plan`). Applied by
+            :func:`~lightning_ndclip.core.tensor_parallel.tensor_parallelize`: ``parallelize_module``
+            keeping tied parameters (a tied embedding and LM head) one parameter.
         fsdp_units: module classes that each become one ``fully_shard`` unit (e.g. the transformer
             block); the root gets a unit for the remaining parameters.
         activation_checkpointing: module classes whose instances recompute activations in backward.
@@ -82,7 +77,8 @@ def parallelize(
     Raises:
         ValueError: before changing ``module``, naming the argument and the entries, when an
             ``fsdp_units`` or ``activation_checkpointing`` class or a ``tp_plan`` key matches no
-            submodule, or a TP plan is given without a ``tp`` dim.
+            submodule, or a TP plan is given without a ``tp`` dim; after tensor parallelism, when
+            the plan shards the copies of a tied parameter differently (naming them).
     """
     _check_classes(module, "fsdp_units", fsdp_units)
     _check_classes(module, "activation_checkpointing", activation_checkpointing)
@@ -90,17 +86,10 @@ def parallelize(
         if meshes["tp"].size() == 1:
             raise ValueError("tp_plan was given but tp=1; set tp > 1 or drop tp_plan")
         if tp_plan == "auto":
-            from lightning_ndclip.core.hf import hf_tp_plan  # imports parallelize's name matching
+            from lightning_ndclip.core.hf import hf_tp_plan  # needs transformers only when asked for
 
             tp_plan = hf_tp_plan(module)
-        names = [name for name, _ in module.named_modules() if name]
-        unmatched = [key for key in tp_plan if not any(matches_plan_key(name, key) for name in names)]
-        if unmatched:
-            raise ValueError(
-                f"tp_plan entries {unmatched} match no submodule of {type(module).__name__} (names are relative to "
-                f"it, e.g. {names[:3]}; '*' matches one name part)"
-            )
-        parallelize_module(module, meshes["tp"], dict(tp_plan))
+        tensor_parallelize(module, meshes["tp"], tp_plan)
     if activation_checkpointing:
         _replace_children(module, tuple(activation_checkpointing))
     fsdp_kwargs: dict[str, Any] = {"mesh": meshes["fsdp"]}

@@ -47,6 +47,7 @@ from lightning_ndclip.core.pipeline import PipelineOptions
 from lightning_ndclip.core.reduce import use_sum_reduction
 from lightning_ndclip.core.replicas import broadcast_replicas_
 from lightning_ndclip.core.summary import ParallelSummary, summarize
+from lightning_ndclip.core.tensor_parallel import check_ties, tied_parameters
 from lightning_ndclip.lightning._pipeline import PipelineRunner
 from lightning_ndclip.lightning._windows import LossWindows
 
@@ -242,6 +243,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._windows: LossWindows | None = None
         self._dims: ParallelDims | None = None
         self._meshes: ParallelMeshes | None = None
+        self._ties: list[tuple[str, ...]] = []
 
     @property
     def is_distributed(self) -> bool:
@@ -308,6 +310,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._meshes = self._dims.build_mesh(self.root_device.type)
         _compat.set_device_mesh(self, self._meshes.world)  # what self.device_mesh and module.device_mesh return
         _compat.set_device_mesh(module, self._meshes.world)
+        self._ties = tied_parameters(module)  # before configure_model or the plan can untie them
 
     @property
     def window_tokens(self) -> torch.Tensor:
@@ -404,6 +407,7 @@ class NDParallelStrategy(ModelParallelStrategy):
                 "in the LightningModule and apply parallelization there, or to give the strategy a declarative "
                 "plan (plan=ParallelPlan(fsdp_units=..., tp_plan=...))."
             )
+        check_ties(module, self._ties)
         if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
             raise TypeError(
                 "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel`."

@@ -1,0 +1,179 @@
+"""Tensor parallelism from a plan, with tied parameters kept one parameter.
+
+Two modules that share one weight (a tied input embedding and LM head, as Llama-3.2-1B, Qwen2.5,
+Gemma ship) compute one function of one tensor: its gradient is the sum of both uses.
+``parallelize_module`` gives every module it shards a new DTensor ``Parameter``, so a tie becomes
+two parameters with two gradients: a different model, trained without a warning. Here:
+
+- :func:`tied_parameters` finds the ties (parameter names that are one tensor);
+- :func:`tensor_parallelize` is ``parallelize_module`` that keeps them: a tied module the plan
+  leaves out gets the style that shards the shared weight the way its partner's style does (with
+  its input and output replicated, so it computes what it did unsharded), and after the plan every
+  group is made one ``Parameter`` again, which is exact when all copies have the same layout (both
+  sides of a tied ``[vocab, hidden]`` weight ``Shard(0)``: a colwise head and a vocab-split
+  embedding). Copies with different layouts are a ``ValueError`` naming the modules;
+- :func:`check_ties` verifies, after any parallelization (a ``configure_model`` hook included), that
+  every tie is still one parameter, raising the same error on every rank otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from fnmatch import fnmatchcase
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+__all__ = ["check_ties", "tensor_parallelize", "tied_parameters"]
+
+Ties = list[tuple[str, ...]]
+"""Groups of parameter names (``module path.attribute``) that are one tensor, in model order."""
+
+
+def matches_plan_key(name: str, key: str) -> bool:
+    """Whether a module name matches a plan key part by part, ``*`` standing for one part (as in
+    ``parallelize_module``)."""
+    parts, patterns = name.split("."), key.split(".")
+    return len(parts) == len(patterns) and all(fnmatchcase(p, q) for p, q in zip(parts, patterns))
+
+
+def tied_parameters(module: nn.Module) -> Ties:
+    """The groups of ``module``'s parameter names that name one tensor (two or more names each)."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(param), []).append(name)
+    return [tuple(names) for names in by_tensor.values() if len(names) > 1]
+
+
+def _owner(module: nn.Module, name: str) -> tuple[str, nn.Module, str]:
+    path, _, attribute = name.rpartition(".")
+    return path, module.get_submodule(path), attribute
+
+
+def _shard_dim(style: ParallelStyle, owner: nn.Module) -> int | None:
+    """The dim of the weight that ``style`` shards over tp, where PyTorch's style defines it."""
+    kinds = {(ColwiseParallel, nn.Linear): 0, (ColwiseParallel, nn.Embedding): 1,
+             (RowwiseParallel, nn.Linear): 1, (RowwiseParallel, nn.Embedding): 0}  # fmt: skip
+    return next((dim for (kind, cls), dim in kinds.items() if type(style) is kind and isinstance(owner, cls)), None)
+
+
+def _replicated_style(owner: nn.Module, dim: int) -> ParallelStyle | None:
+    """A style that shards ``owner``'s weight on ``dim`` and keeps its input and output replicated (the
+    module computes what it computed unsharded), or ``None`` if PyTorch has none."""
+    if isinstance(owner, nn.Linear):
+        return ColwiseParallel(output_layouts=Replicate()) if dim == 0 else RowwiseParallel(input_layouts=Replicate())
+    if isinstance(owner, nn.Embedding):
+        return RowwiseParallel(input_layouts=Replicate()) if dim == 0 else ColwiseParallel(output_layouts=Replicate())
+    return None
+
+
+def _style_of(plan: Mapping[str, ParallelStyle], path: str) -> ParallelStyle | None:
+    return next((style for key, style in plan.items() if matches_plan_key(path, key)), None)
+
+
+def _with_tied_partners(module: nn.Module, plan: Mapping[str, ParallelStyle], ties: Ties) -> dict[str, ParallelStyle]:
+    """``plan`` plus, for a tied module it leaves out whose partner it shards, the replicated style
+    that shards the shared weight the same way (e.g. the embedding of a tied colwise LM head)."""
+    completed = dict(plan)
+    for names in ties:
+        owners = [_owner(module, name) for name in names]
+        styles = [_style_of(plan, path) for path, _, _ in owners]
+        dims = {_shard_dim(style, owner) for style, (_, owner, _) in zip(styles, owners) if style is not None}
+        dim = dims.pop() if len(dims) == 1 else None
+        if dim is None:
+            continue  # nothing sharded, or copies _retie will compare
+        for style, (path, owner, attribute) in zip(styles, owners):
+            partner = _replicated_style(owner, dim) if style is None and attribute == "weight" else None
+            if partner is not None and path:
+                completed[path] = partner
+    return completed
+
+
+def _layout(param: torch.Tensor) -> str:
+    if isinstance(param, DTensor):
+        return f"DTensor {tuple(param.placements)} on mesh dims {param.device_mesh.mesh_dim_names}"
+    return "a plain tensor (not sharded over tp)"
+
+
+def _retie(module: nn.Module, ties: Ties) -> None:
+    """Make every group of ``ties`` one parameter again (the first name's), or raise ``ValueError`` when
+    the copies differ in layout."""
+    for names in ties:
+        owners = [_owner(module, name) for name in names]
+        params = [getattr(owner, attribute) for _, owner, attribute in owners]
+        if all(p is params[0] for p in params):
+            continue
+        layouts = [_layout(p) for p in params]
+        same = all(
+            isinstance(p, DTensor) and p.device_mesh == params[0].device_mesh and p.placements == params[0].placements
+            for p in params
+        ) or not any(isinstance(p, DTensor) for p in params)
+        if not same or any(p.shape != params[0].shape for p in params):
+            described = "; ".join(f"{name}: {layout}" for name, layout in zip(names, layouts))
+            raise ValueError(
+                f"tied parameters {list(names)} are one tensor in the model, and the tp plan shards them differently "
+                f"({described}): as two parameters they would train a different model. Give their modules styles "
+                "that shard the shared weight on the same dim (a colwise Linear head and a vocab-split "
+                "RowwiseParallel(input_layouts=Replicate()) embedding both Shard(0)), or leave both out of the plan"
+            )
+        for _, owner, attribute in owners[1:]:
+            setattr(owner, attribute, params[0])
+
+
+def tensor_parallelize(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> nn.Module:
+    """``torch.distributed.tensor.parallel.parallelize_module(module, tp_mesh, plan)``, keeping tied
+    parameters one parameter (see the module docstring): a tied module the plan leaves out gets the
+    replicated style matching its partner's, and each tie is restored after the plan.
+
+    Use it in place of ``parallelize_module`` in a ``configure_model`` hook, before ``fully_shard``.
+
+    Raises:
+        ValueError: a plan key matches no submodule (before changing ``module``), or a tie's copies end
+            up with different layouts (naming them and their placements).
+    """
+    names = [name for name, _ in module.named_modules() if name]
+    unmatched = [key for key in plan if not any(matches_plan_key(name, key) for name in names)]
+    if unmatched:
+        raise ValueError(
+            f"tp_plan entries {unmatched} match no submodule of {type(module).__name__} (names are relative to "
+            f"it, e.g. {names[:3]}; '*' matches one name part)"
+        )
+    ties = tied_parameters(module)
+    parallelize_module(module, tp_mesh, _with_tied_partners(module, plan, ties))
+    _retie(module, ties)
+    return module
+
+
+def check_ties(module: nn.Module, ties: Sequence[Sequence[str]], group: dist.ProcessGroup | None = None) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` (one ``all_gather_object``) if a tie of ``ties``
+    (recorded before parallelizing, :func:`tied_parameters`) is no longer one parameter of ``module``,
+    naming the parameters, the rank and their layouts. Names this rank no longer holds (other
+    pipeline stages) are left out; a tie must hold among those it holds."""
+    problem = None
+    try:
+        params = dict(module.named_parameters(remove_duplicate=False))
+        for names in ties:
+            held = [name for name in names if name in params]
+            if len({id(params[name]) for name in held}) > 1:
+                described = "; ".join(f"{name}: {_layout(params[name])}" for name in held)
+                problem = (
+                    f"parameters {held} were one tensor (tied) before parallelization and are {len(held)} parameters "
+                    f"after it ({described}): each would get its own gradient and update, a different model. In "
+                    "configure_model, apply tensor parallelism with lightning_ndclip.tensor_parallelize (keeps ties) "
+                    "instead of parallelize_module, or re-tie them before fully_shard"
+                )
+                break
+    except Exception as error:  # every rank must reach the gather below
+        problem = f"checking tied parameters raised {type(error).__name__}: {error}"
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        problems: list[str | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(problems, problem, group=group)
+    else:
+        problems = [problem]
+    for rank, found in enumerate(problems):
+        if found is not None:
+            raise ValueError(f"rank {rank}: {found}")
