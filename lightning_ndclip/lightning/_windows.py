@@ -2,9 +2,9 @@
 
 The exact global mean over an optimizer step needs the token (or per-sample) counts of *every*
 micro-batch of the step before the first backward. :class:`LossWindows` wraps the training
-dataloader: it reads each window of ``accumulate_grad_batches`` batches ahead, synchronizes its
-counts over the loss dims (one all-reduce for tokens, two for samples), and then yields the
-batches one by one, remembering each batch's scale for the strategy's ``training_step``.
+dataloader: when ``training_step`` reaches a window's first batch, it reads the window's other
+batches ahead, synchronizes its counts over the loss dims (one all-reduce for tokens, two for
+samples), and then yields the batches one by one, remembering each batch's scale.
 """
 
 from __future__ import annotations
@@ -26,12 +26,17 @@ __all__ = ["LossWindows"]
 
 
 class LossWindows:
-    """Wraps the training dataloader: reads each accumulation window ahead, synchronizes its loss
-    normalization (token count, or per-sample weights) over the loss dims, then yields the window's
-    batches one by one.
+    """Wraps the training dataloader: yields its batches, and gives each its loss normalization
+    (token count, or per-sample weights) synchronized over the loss dims for its whole accumulation
+    window.
 
-    Windows follow Lightning's accumulation: ``accumulate_grad_batches`` consecutive batches from
-    the start of the epoch, the last one shorter when the epoch (or ``limit_train_batches``) ends.
+    Windows follow Lightning's accumulation: batches up to the next ``(batch_idx + 1) %
+    accumulate_grad_batches == 0``, the last one shorter when the epoch (or ``limit_train_batches``)
+    ends. A window's size is decided when ``training_step`` asks for its first batch's
+    normalization (:meth:`window_of`), not when the batch is read: Lightning reads an unsized loader's
+    first batch before ``on_train_epoch_start``, where ``GradientAccumulationScheduler`` sets that
+    epoch's factor. The window's remaining batches are then read ahead, their counts synchronized
+    (one all-reduce for tokens, two for samples), and yielded as Lightning asks for them.
 
     Resumed mid-epoch, Lightning's ``batch_idx`` goes on from the checkpoint's position: the batches
     are numbered from there, and the first window ends where Lightning's does. A plain dataloader
@@ -49,8 +54,12 @@ class LossWindows:
         self.dataloader = dataloader
         self._strategy = strategy
         self._trainer = trainer
-        self._windows: dict[int, tuple[Any, bool]] = {}
-        self._read = self._yielded = 0  # batches of the current window read ahead, and yielded
+        self._windows: dict[int, tuple[Any, bool]] = {}  # batch_idx -> (normalization, ends its window)
+        self._source: Iterator[Any] = iter(())
+        self._unwindowed: dict[int, Any] = {}  # batches read whose window is not decided yet
+        self._ahead: deque[Any] = deque()  # batches read for a window, not yet yielded
+        self._next_read = 0  # the batch_idx of the next batch read from the loader
+        self._window = (0, 0)  # the last window decided: [start, end) batch_idx
         self._restored_behind: int | None = None  # a restored loader's batches Lightning already consumed
         self.first_window: tuple[torch.Tensor, str, int] | None = None  # (count, "tokens"/"samples", micro-batches)
 
@@ -62,7 +71,10 @@ class LossWindows:
 
     def window_of(self, batch_idx: int) -> tuple[Any, bool]:
         """The normalization of ``batch_idx`` (``(TokenCount of the window, this batch's local
-        count)``, or its per-token sample weights) and whether it is the window's last batch."""
+        count)``, or its per-token sample weights) and whether it is the window's last batch. Called
+        for a window's first batch, decides the window: reads its other batches and syncs the counts."""
+        if batch_idx not in self._windows and batch_idx == self._window[1]:
+            self._decide_window(batch_idx)
         try:
             return self._windows.pop(batch_idx)
         except KeyError:
@@ -71,6 +83,36 @@ class LossWindows:
                 f"{sorted(self._windows) or 'no batch'}: training_step ran on a batch that the wrapped "
                 "training dataloader did not yield in Lightning's order"
             ) from None
+
+    def _decide_window(self, start: int) -> None:
+        every, limit = self._trainer.accumulate_grad_batches, self._trainer.num_training_batches
+        end = int(min(start + every - start % every, limit))
+        while self._next_read < end and self._read_batch(snapshot=False):
+            self._ahead.append(self._unwindowed[self._next_read - 1])
+        end = min(end, self._next_read)
+        window = [self._unwindowed.pop(i) for i in range(start, end)]
+        for position, scale in enumerate(self._scales(window)):
+            self._windows[start + position] = (scale, start + position == end - 1)
+        self._window = (start, end)
+        self._forget_before(start)
+
+    def _read_batch(self, snapshot: bool) -> bool:
+        """Read the loader's next batch into ``_unwindowed``; ``False`` at its end. ``snapshot``: the batch
+        may start a window (a stateful loader keeps its state from before it)."""
+        if snapshot:
+            self._before_read(self._next_read)
+        batch = next(self._source, _END)
+        if batch is _END:
+            return False
+        self._unwindowed[self._next_read] = batch
+        self._next_read += 1
+        return True
+
+    def _before_read(self, batch_idx: int) -> None:
+        """Called before reading a batch that may start a window."""
+
+    def _forget_before(self, batch_idx: int) -> None:
+        """Called once a window starting at ``batch_idx`` is decided: Lightning is past the earlier ones."""
 
     def _scales(self, window: list[Any]) -> list[Any]:
         module: Any = self._strategy.lightning_module  # a LightningModule with the hooks of its normalization
@@ -94,55 +136,58 @@ class LossWindows:
             self.first_window = (weights.num_samples, "samples", len(window))
         return weights.weights
 
-    def _before_window(self) -> None:
-        """Called before each window is read ahead."""
-
     def __iter__(self) -> Iterator[Any]:
-        every = self._trainer.accumulate_grad_batches
         limit = self._trainer.num_training_batches
         self._windows.clear()
-        self._read = self._yielded = 0
-        batches = iter(self.dataloader)
+        self._unwindowed.clear()
+        self._ahead.clear()
+        self._source = iter(self.dataloader)
         # this body runs at the epoch's first fetch, after Lightning restored (on resume) or reset its
         # progress: the batch_idx Lightning gives the next batch, > 0 when resumed mid-epoch
         index = self._trainer.fit_loop.epoch_loop.batch_idx + 1
         # a plain loader starts the epoch over: drop what the checkpointed run consumed
         behind, self._restored_behind = (index if self._restored_behind is None else self._restored_behind), None
-        deque(islice(batches, behind), maxlen=0)
-        while index < limit:
-            self._before_window()  # up to Lightning's next boundary: (batch_idx + 1) % every == 0, or the end
-            window = list(islice(batches, int(min(every - index % every, limit - index))))
-            if not window:
+        deque(islice(self._source, behind), maxlen=0)
+        self._next_read, self._window = index, (index, index)
+        while True:
+            if self._ahead:
+                yield self._ahead.popleft()
+            elif self._next_read < limit and self._read_batch(snapshot=True):
+                yield self._unwindowed[self._next_read - 1]
+            else:
                 return
-            self._read, self._yielded = len(window), 0
-            for position, (batch, scale) in enumerate(zip(window, self._scales(window))):
-                self._windows[index] = (scale, position == len(window) - 1)
-                index += 1
-                self._yielded += 1
-                yield batch
+
+
+_END = object()
 
 
 class _StatefulLossWindows(LossWindows):
     """:class:`LossWindows` of a stateful dataloader, which Lightning saves in checkpoints and restores
     on resume: stateful itself, so Lightning saves and restores it through this wrapper.
 
-    Its state is the loader's where Lightning stands: at a window boundary (a checkpoint at an
-    optimizer step) the loader's current state; mid-window, where the loader has read ahead of
-    Lightning, the loader's state before the window with the count of its batches Lightning consumed,
-    which the resumed iteration reads and drops.
+    Its state is the loader's where Lightning stands: the loader's state before the batch that starts
+    the window of Lightning's next batch, with the count of that window's batches Lightning consumed,
+    which the resumed iteration reads and drops (the loader itself has read ahead of Lightning).
     """
 
     def __init__(self, dataloader: Any, strategy: NDParallelStrategy, trainer: pl.Trainer) -> None:
         super().__init__(dataloader, strategy, trainer)
-        self._window_start: Any = None  # the loader's state before the current window
+        self._states: dict[int, Any] = {}  # batch_idx -> the loader's state before reading it
 
-    def _before_window(self) -> None:
-        self._window_start = self.dataloader.state_dict()
+    def _before_read(self, batch_idx: int) -> None:
+        self._states[batch_idx] = self.dataloader.state_dict()
+
+    def _forget_before(self, batch_idx: int) -> None:
+        self._states = {i: state for i, state in self._states.items() if i >= batch_idx}
 
     def state_dict(self) -> dict[str, Any]:
-        if self._yielded == self._read:
-            return {"loader": self.dataloader.state_dict(), "behind": 0}
-        return {"loader": self._window_start, "behind": self._yielded}
+        consumed = self._trainer.fit_loop.epoch_loop.batch_idx + 1  # Lightning's next batch_idx
+        start, end = self._window
+        if start <= consumed < end:  # inside a decided window
+            return {"loader": self._states[start], "behind": consumed - start}
+        if consumed in self._states:  # a window's first batch, read ahead of Lightning
+            return {"loader": self._states[consumed], "behind": 0}
+        return {"loader": self.dataloader.state_dict(), "behind": 0}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if set(state_dict) == {"loader", "behind"}:

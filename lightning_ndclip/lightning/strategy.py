@@ -6,7 +6,8 @@ import dataclasses
 import difflib
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -310,7 +311,15 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._meshes = self._dims.build_mesh(self.root_device.type)
         _compat.set_device_mesh(self, self._meshes.world)  # what self.device_mesh and module.device_mesh return
         _compat.set_device_mesh(module, self._meshes.world)
-        self._ties = tied_parameters(module)  # before configure_model or the plan can untie them
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Lightning's context around ``configure_model``: the model's tied parameters are recorded on
+        entry, and checked after it in :meth:`setup`."""
+        self._ties = tied_parameters(self._module)
+        with super().model_sharded_context():
+            yield
 
     @property
     def window_tokens(self) -> torch.Tensor:
@@ -391,6 +400,8 @@ class NDParallelStrategy(ModelParallelStrategy):
                 "scale each loss before manual_backward: lightning_ndclip.sync_token_count(counts).normalize(loss_sum) "
                 "or sync_sample_weights(...).normalize(token_losses)"
             )
+        if not is_overridden("configure_model", module):  # else recorded before configure_model ran
+            self._ties = tied_parameters(module)
         if self._pipeline is not None:
             self._pipeline.setup(module, self.meshes, self._plan)
             if self._pipeline.config.tied_parameters and not module.automatic_optimization:  # the same on every rank
