@@ -9,6 +9,7 @@ public name of both is exported here, the Lightning ones when those packages are
 from typing import Any
 
 from lightning_ndclip.core._norm_plan import NormPlanError
+from lightning_ndclip.core.agree import AgreedError
 from lightning_ndclip.core.context import context_parallel_attention, shard_sequence
 from lightning_ndclip.core.coverage import check_data_parallel_reduction
 from lightning_ndclip.core.experts import Experts, MoE, shard_experts
@@ -70,6 +71,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "HF_STYLES",
+    "AgreedError",
     "LIGHTNING_DIM_NAMES",
     "MESH_DIM_NAMES",
     "SCHEDULES",

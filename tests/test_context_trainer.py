@@ -4,6 +4,7 @@ and the token mean equals single-device training in float64 (the models: test_co
 from __future__ import annotations
 
 import lightning as L
+import pytest
 import torch
 from harness import run_on_ranks
 from helpers import use_existing_process_group
@@ -138,3 +139,30 @@ def test_token_mean_with_context_parallel_in_the_trainer_matches_single_device()
     expected = {n: p.detach() - DIT_LR * grads[n] for n, p in TinyTransformer(13).named_parameters()}
     results = run_on_ranks(4, _lm_trainer_case)
     assert max(float((v - expected[n]).norm() / expected[n].norm()) for r in results for n, v in r.items()) < 1e-12
+
+
+class _FailingSampleIds(_DiTModule):
+    def sample_ids(self, batch):
+        if self.trainer.strategy.meshes["dp"].get_local_rank() == 1:  # both cp ranks of one data rank
+            raise IndexError("no sample lengths in this batch")
+        return super().sample_ids(batch)
+
+
+def _failing_sample_ids_case() -> str:
+    use_existing_process_group()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=nd.NDParallelStrategy(dp_shard=2, cp=2, loss_normalization="sample_mean"),
+        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    try:
+        trainer.fit(_FailingSampleIds())
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.faults
+def test_sample_ids_failing_on_some_ranks_raises_the_same_error_on_every_rank():
+    messages = run_on_ranks(4, _failing_sample_ids_case, timeout=60)
+    failing = "sample_ids(batch) of micro-batch 0 raised IndexError: no sample lengths in this batch"
+    assert messages == [f"rank 2: {failing}; rank 3: {failing}"] * 4, messages

@@ -228,6 +228,10 @@ class _BadCountModule(_TokenModule):
     def count_tokens(self, batch) -> torch.Tensor:
         self.calls += 1
         if self.trainer.global_rank == 1 and self.calls == 2:  # rank 1, micro-batch 1 of the first window
+            if self.bad == "raise":
+                raise KeyError("labels")
+            if self.bad in ("meta", "none"):
+                return torch.tensor(5, device="meta") if self.bad == "meta" else None
             return torch.tensor(self.bad)
         return super().count_tokens(batch)
 
@@ -246,8 +250,24 @@ def _bad_count_case(bad) -> str:
 def test_a_bad_token_count_raises_the_same_error_on_every_rank(bad):
     messages = run_on_ranks(2, _bad_count_case, bad, timeout=60)
     assert messages[0] == messages[1], "every rank raises the same error"
-    assert "token counts must be finite non-negative integers" in messages[0]
-    assert "rank 1, micro-batch 1:" in messages[0] and str(bad) in messages[0]
+    assert messages[0].startswith("rank 1: token counts must be finite non-negative integers, got micro-batch 1: ")
+    assert str(bad) in messages[0]
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize(
+    "bad, expected",
+    [
+        ("raise", "count_tokens(batch) of micro-batch 1 raised KeyError: 'labels'"),
+        ("meta", "count_tokens(batch) of micro-batch 1 raised ValueError: returned a meta tensor, which holds no value"),
+        ("none", "count_tokens(batch) of micro-batch 1 raised TypeError: returned NoneType, not the number of valid"),
+    ],
+)
+def test_count_tokens_failing_on_one_rank_raises_the_same_error_on_every_rank(bad, expected):
+    """It raised on that rank alone (torch's 'Cannot copy out of meta tensor'), and the other died on a closed
+    connection; now the count's all-reduce carries the failure and every rank raises the same error."""
+    messages = run_on_ranks(2, _bad_count_case, bad, timeout=60)
+    assert messages[0] == messages[1] and messages[0].startswith(f"rank 1: {expected}"), messages
 
 
 class _DictWithoutLoss(_TokenModule):

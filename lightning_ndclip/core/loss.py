@@ -26,10 +26,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_ndclip.core.agree import raise_agreed
 
 __all__ = [
     "SampleWeights",
@@ -83,46 +84,42 @@ def _invalid_counts(counts: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([b.any() for b in bad]).sum() if bad else torch.zeros((), dtype=torch.int64)
 
 
-def _invalid_count_message(counts: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> str:
-    """The same message on every rank of ``group``: which rank's micro-batches had which counts."""
-    mine = [
-        f"micro-batch {m}: {c.tolist()}"
-        for m, c in enumerate(counts)
-        if bool(_invalid_counts([c]))
-    ]
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    gathered: list[Any] = [(rank, mine)]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (rank, mine), group=group)
-    where = "; ".join(f"rank {r}, {', '.join(m)}" for r, m in gathered if m)
-    return f"token counts must be finite non-negative integers, got {where}"
+def _invalid_count_message(counts: Sequence[torch.Tensor]) -> str | None:
+    """This rank's bad counts, by micro-batch, or ``None``."""
+    mine = [f"micro-batch {m}: {c.tolist()}" for m, c in enumerate(counts) if bool(_invalid_counts([c]))]
+    return f"token counts must be finite non-negative integers, got {', '.join(mine)}" if mine else None
 
 
 def sync_token_count(
-    local_counts: torch.Tensor | Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
+    local_counts: torch.Tensor | Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    *,
+    problem: str | None = None,
 ) -> TokenCount:
     """Sum the valid-token counts of this rank's micro-batches over ``group``: one all-reduce.
 
     Every count must be a finite, non-negative integer (an integer tensor, or a float one holding
-    an integer value). A bad count on any rank makes every rank of ``group`` raise the same
-    ``ValueError``, naming the rank and the micro-batch; on accelerators, where reading the check
-    would make the host wait, the count's :meth:`TokenCount.normalize` returns NaN instead (the step
-    is then non-finite everywhere).
+    an integer value). A bad count on any rank, or a ``problem`` (a message: this rank could not
+    count, e.g. its ``count_tokens`` raised), makes every rank of ``group`` raise the same
+    :class:`~lightning_ndclip.core.agree.AgreedError` (a ``ValueError``), naming each rank and
+    micro-batch at fault; the flag rides in the same all-reduce (:mod:`lightning_ndclip.core.agree`).
+    On accelerators, where reading the flag would make the host wait, the count's
+    :meth:`TokenCount.normalize` returns NaN instead (the step is then non-finite everywhere).
 
     Args:
         local_counts: the count of each micro-batch of the optimizer step on this rank (or their
             sum), e.g. from :func:`count_valid_tokens`.
         group: every rank whose tokens enter the mean: the data-parallel *and* context-parallel
             ranks (not tp or pp peers, which see the same tokens). Default: the world.
+        problem: why this rank has no usable counts (its ``local_counts`` are then placeholders).
     """
     counts = [local_counts] if isinstance(local_counts, torch.Tensor) else list(local_counts)
     counts = [torch.as_tensor(c).detach() for c in counts]
-    invalid = _invalid_counts(counts)
+    invalid = _invalid_counts(counts) + int(problem is not None)
     total = torch.stack([c.to(torch.int64).sum() for c in counts]).sum()
     total, invalid = _all_reduce(torch.stack([total, invalid.to(total.device)]), group).unbind()
-    if total.device.type == "cpu" and invalid:
-        raise ValueError(_invalid_count_message(counts, group))
+    if total.device.type == "cpu":
+        raise_agreed(invalid, problem or _invalid_count_message(counts), group)
     return TokenCount(total=total, empty=total == 0, invalid=invalid)
 
 
@@ -229,14 +226,14 @@ def _bin_tokens(ids: torch.Tensor, mask: torch.Tensor, num_samples: int) -> torc
     return counts.index_add_(0, bins, torch.ones_like(bins))[:-1]
 
 
-def _out_of_range_message(binned: Sequence[torch.Tensor], num_samples: Sequence[int]) -> str:
+def _out_of_range_message(binned: Sequence[torch.Tensor], num_samples: Sequence[int]) -> str | None:
+    """This rank's micro-batches with sample ids out of range, or ``None``."""
     here = [
         f"micro-batch {m} has {int(c[-1])} valid tokens with a sample id >= num_samples={n}"
         for m, (c, n) in enumerate(zip(binned, num_samples))
         if c[-1]
     ]
-    where = "on this rank: " + "; ".join(here) if here else "on another rank of the data- or context-parallel group"
-    return f"sample_ids must lie in 0 .. num_samples - 1 (-1 for padding), but {where}"
+    return f"sample_ids must lie in 0 .. num_samples - 1 (-1 for padding), but {'; '.join(here)}" if here else None
 
 
 def sync_sample_weights(
@@ -246,6 +243,7 @@ def sync_sample_weights(
     *,
     cp_group: dist.ProcessGroup | None = None,
     dp_group: dist.ProcessGroup | None = None,
+    problem: str | None = None,
 ) -> SampleWeights:
     """Token weights of the hierarchical (per-sample) mean, synchronized before backward.
 
@@ -261,6 +259,12 @@ def sync_sample_weights(
         cp_group: the context-parallel group (``None`` without context parallelism).
         dp_group: the data-parallel group over which samples are distinct (default: the world
             when there is no ``cp_group``). With a ``cp_group``, pass the dp group explicitly.
+        problem: why this rank has no usable sample ids (e.g. its ``sample_ids`` raised; its
+            arguments are then placeholders, of the same ``num_samples`` as its cp peers').
+
+    A sample id out of range, or a ``problem``, on any rank makes every rank raise an
+    :class:`~lightning_ndclip.core.agree.AgreedError` (a ``ValueError``) naming the ranks at fault
+    (the flag rides in the two all-reduces); on accelerators the weights become NaN instead.
     """
     if cp_group is not None and dp_group is None:
         raise ValueError("with a cp_group, pass dp_group too (the ranks holding distinct samples)")
@@ -272,18 +276,20 @@ def sync_sample_weights(
     ]
     # per micro-batch: the valid tokens of each of its samples, then those whose id is >= num_samples
     binned = [_bin_tokens(ids, mask, n) for ids, mask, n in zip(sample_ids, masks, num_samples)]
-    counts = torch.cat(binned)
+    counts = torch.cat([*binned, torch.tensor([int(problem is not None)], device=binned[0].device if binned else None)])
     if cp_group is not None:
         _all_reduce(counts, cp_group)
+    counts, failed = counts[:-1], counts[-1]
     per_micro_batch = counts.split([n + 1 for n in num_samples])
     per_sample = [c[:-1] for c in per_micro_batch]
     present = sum(((c > 0).sum() for c in per_sample), counts.new_zeros(()))
     first_cp_rank = cp_group is None or dist.get_rank(cp_group) == 0
     local_samples = present if first_cp_rank else torch.zeros_like(present)
-    out_of_range = sum((c[-1] for c in per_micro_batch), counts.new_zeros(()))
+    out_of_range = sum((c[-1] for c in per_micro_batch), failed)
     total_samples, out_of_range = _all_reduce(torch.stack([present, out_of_range]), dp_group).unbind()
-    if counts.device.type == "cpu" and out_of_range:  # elsewhere, reading it would sync: the weights become nan
-        raise ValueError(_out_of_range_message(binned, num_samples))
+    if counts.device.type == "cpu":  # elsewhere, reading the flag would sync: the weights become nan
+        message = problem or _out_of_range_message(binned, num_samples)
+        raise_agreed(out_of_range, message, *([cp_group] if cp_group is not None else []), dp_group)
     scale = total_samples.clamp(min=1).to(torch.float64)
     weights = []
     for ids, mask, t in zip(sample_ids, masks, per_sample):

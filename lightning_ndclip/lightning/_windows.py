@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+from functools import partial
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 
+from lightning_ndclip.core.agree import call_hook
 from lightning_ndclip.core.loss import sync_sample_weights, sync_token_count
 
 if TYPE_CHECKING:
@@ -115,22 +117,40 @@ class LossWindows:
         """Called once a window starting at ``batch_idx`` is decided: Lightning is past the earlier ones."""
 
     def _scales(self, window: list[Any]) -> list[Any]:
+        """The window's normalization per batch. The LightningModule's hooks run through
+        :func:`~lightning_ndclip.core.agree.call_hook`: an exception or an unusable value on any rank
+        becomes the same error on every rank of the count's all-reduce, which carries the flag."""
         module: Any = self._strategy.lightning_module  # a LightningModule with the hooks of its normalization
         meshes, device = self._strategy.meshes, self._strategy.root_device
+        problems: list[str] = []
         if self._strategy._loss_normalization == "token_mean":
+            counts = []
+            for m, batch in enumerate(window):
+                count, problem = call_hook(
+                    f"count_tokens(batch) of micro-batch {m}", partial(module.count_tokens, batch), partial(_count, device=device)
+                )
+                counts.append(torch.zeros((), dtype=torch.int64, device=device) if count is None else count)
+                problems += [problem] if problem else []
             # summed over the batch dims only: the ranks of a cp group read the same raw batch
-            counts = [torch.as_tensor(module.count_tokens(b)).to(device) for b in window]
-            count = sync_token_count(counts, group=meshes["dp"].get_group())
+            total = sync_token_count(counts, group=meshes["dp"].get_group(), problem="; ".join(problems) or None)
             if self.first_window is None:
-                self.first_window = (count.total, "tokens", len(window))
-            return [(count, local) for local in counts]
-        described = [module.sample_ids(b) for b in window]
+                self.first_window = (total.total, "tokens", len(window))
+            return [(total, local) for local in counts]
+        described = []
+        for m, batch in enumerate(window):
+            ids, problem = call_hook(
+                f"sample_ids(batch) of micro-batch {m}", partial(module.sample_ids, batch), partial(_sample_ids, device=device)
+            )
+            described.append(ids or (torch.zeros(0, dtype=torch.int64, device=device), 0, None))
+            problems += [problem] if problem else []
+        masked = any(d[2] is not None for d in described)
         weights = sync_sample_weights(
-            [torch.as_tensor(d[0]).to(device) for d in described],
-            [int(d[1]) for d in described],
-            [torch.as_tensor(d[2]).to(device) for d in described] if all(len(d) > 2 for d in described) else None,
+            [d[0] for d in described],
+            [d[1] for d in described],
+            [torch.ones_like(ids, dtype=torch.bool) if m is None else m for ids, _, m in described] if masked else None,
             cp_group=meshes["cp"].get_group(),
             dp_group=meshes["dp"].get_group(),
+            problem="; ".join(problems) or None,
         )
         if self.first_window is None:
             self.first_window = (weights.num_samples, "samples", len(window))
@@ -159,6 +179,29 @@ class LossWindows:
 
 
 _END = object()
+
+
+def _count(value: Any, device: torch.device) -> torch.Tensor:
+    """``count_tokens``' result as a count tensor on ``device``, or an error saying why it cannot be one."""
+    if isinstance(value, bool) or not isinstance(value, (torch.Tensor, int, float)):
+        raise TypeError(f"returned {type(value).__name__}, not the number of valid tokens (a tensor or an int)")
+    count = torch.as_tensor(value).detach()
+    if count.is_meta:
+        raise ValueError("returned a meta tensor, which holds no value: count the batch's real labels")
+    if count.dtype == torch.bool or count.is_complex():
+        raise TypeError(f"returned a {count.dtype} tensor, not a number of tokens")
+    return count.to(device)
+
+
+def _sample_ids(value: Any, device: torch.device) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """``sample_ids``' result as ``(ids, num_samples, valid or None)`` on ``device``, or an error."""
+    if not isinstance(value, (tuple, list)) or len(value) not in (2, 3):
+        raise TypeError(f"returned {type(value).__name__}, not (ids, num_samples[, valid])")
+    tensors = [torch.as_tensor(value[0]), *(torch.as_tensor(v) for v in value[2:])]
+    if any(t.is_meta for t in tensors):
+        raise ValueError("returned a meta tensor, which holds no value")
+    ids, valid = tensors[0].to(device), (tensors[1].to(device) if len(tensors) > 1 else None)
+    return ids, int(value[1]), valid
 
 
 class _StatefulLossWindows(LossWindows):

@@ -1,0 +1,59 @@
+"""No rank raises alone: problems found on some ranks become the same error on every rank.
+
+A rank that raises while the others go on into a collective leaves them waiting (a hang, or a
+"connection closed" far from the cause). So user code whose result feeds a collective
+(``count_tokens``, ``sample_ids``, ...) runs through :func:`call_hook`, which turns an exception,
+or a value the caller cannot use, into a *problem*: a message, not a raise. The caller then
+sends one flag per rank (1 for a problem) in the collective that follows anyway (the count
+all-reduce carries it beside the counts: no extra collective in steady state), and
+:func:`raise_agreed` reads the summed flag: when it is non-zero, every rank gathers the messages
+(one ``all_gather_object``, only then) and raises the same error naming each failing rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["AgreedError", "call_hook", "raise_agreed"]
+
+T = TypeVar("T")
+
+
+class AgreedError(ValueError):
+    """Raised on every rank of a group when some of its ranks met a problem (see the module)."""
+
+
+def call_hook(what: str, hook: Callable[[], T], check: Callable[[T], Any] | None = None) -> tuple[T | None, str | None]:
+    """``(hook(), None)``, or ``(None, problem)`` when ``hook`` raises or ``check(result)`` does
+    (``check`` converts or validates the result and returns what the caller uses). ``what`` names the
+    call in the message, e.g. ``"count_tokens(batch) of micro-batch 2"``."""
+    try:
+        value = hook()
+        return (value if check is None else check(value)), None
+    except Exception as error:  # noqa: BLE001 - every error becomes an agreed one
+        return None, f"{what} raised {type(error).__name__}: {error}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def raise_agreed(failed: torch.Tensor | int, problem: str | None, *groups: dist.ProcessGroup | None) -> None:
+    """After collectives over ``groups`` that summed each rank's problem flag into ``failed``: if it is
+    non-zero, raise :class:`AgreedError` on every rank with every rank's problem, by rank (one
+    ``all_gather_object`` per group, in turn, so the messages of all their ranks reach all of them;
+    no group: the world). Reads ``failed`` on the host: call it where a host read is acceptable."""
+    if not int(failed):
+        return
+    distributed = dist.is_available() and dist.is_initialized()
+    found: list[tuple[int, str]] = [(_rank(), problem)] if problem else []
+    for group in groups or (None,):
+        if distributed and dist.get_world_size(group) > 1:
+            gathered: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, found, group=group)
+            found = sorted({entry for entries in gathered for entry in entries})
+    raise AgreedError("; ".join(f"rank {rank}: {text}" for rank, text in found))
