@@ -272,3 +272,37 @@ def test_an_error_while_rank_0_checks_a_checkpoint_is_raised_on_every_rank(tmp_p
     first, second = run_on_ranks(2, _unreadable_check_case, str(tmp_path), timeout=30)
     assert first == second
     assert "could not check the checkpoint" in first and str(tmp_path / "odd.ckpt") in first and "AttributeError" in first
+
+
+def _full_save_fails_on_rank_0_case(directory: str) -> dict:
+    use_existing_process_group()
+    path = f"{directory}/model.ckpt"
+    first = _trainer(max_epochs=1)
+    first.fit(MlpModule(tp=False))
+    first.save_checkpoint(path)  # a distributed checkpoint (a directory)
+    full = L.Trainer(strategy=NDParallelStrategy(save_distributed_checkpoint=False), accelerator="cpu", devices=2,
+                     limit_train_batches=2, max_epochs=1, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    full.fit(MlpModule(tp=False))
+    full.save_checkpoint(path)  # over the directory: Lightning removed it on every rank at once
+    replaced = Path(path).is_file()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        def disk_full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        full.strategy.checkpoint_io.save_checkpoint = disk_full
+    try:
+        full.save_checkpoint(path)
+    except ValueError as error:
+        return {"replaced": replaced, "error": str(error)}
+    return {"replaced": replaced, "error": "returned normally"}
+
+
+def test_a_full_checkpoint_replaces_a_distributed_one_and_a_failure_on_rank_0_raises_on_every_rank(tmp_path):
+    """The other ranks used to return normally from the failed save, and train on into a collective rank 0 never
+    joined."""
+    results = run_on_ranks(2, _full_save_fails_on_rank_0_case, str(tmp_path))
+    assert all(r["replaced"] for r in results)
+    assert results[0]["error"] == results[1]["error"], results
+    assert results[0]["error"].startswith(f"rank 0: saving the full checkpoint '{tmp_path}/model.ckpt' raised OSError:")

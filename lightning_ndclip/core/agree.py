@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["AgreedError", "call_hook", "raise_agreed"]
+__all__ = ["AgreedError", "call_hook", "raise_agreed", "run_agreed"]
 
 T = TypeVar("T")
 
@@ -42,6 +42,21 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _gather(problem: str | None, groups: tuple[dist.ProcessGroup | None, ...]) -> list[tuple[int, str]]:
+    """Every rank's problem over ``groups`` (in turn, so all their ranks' reach all of them), by rank."""
+    found: list[tuple[int, str]] = [(_rank(), problem)] if problem else []
+    for group in groups or (None,):
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            gathered: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, found, group=group)
+            found = sorted({entry for entries in gathered for entry in entries})
+    return found
+
+
+def _message(found: list[tuple[int, str]]) -> str:
+    return "; ".join(f"rank {rank}: {text}" for rank, text in found)
+
+
 def raise_agreed(failed: torch.Tensor | int, problem: str | None, *groups: dist.ProcessGroup | None) -> None:
     """After collectives over ``groups`` that summed each rank's problem flag into ``failed``: if it is
     non-zero, raise :class:`AgreedError` on every rank with every rank's problem, by rank (one
@@ -49,11 +64,21 @@ def raise_agreed(failed: torch.Tensor | int, problem: str | None, *groups: dist.
     no group: the world). Reads ``failed`` on the host: call it where a host read is acceptable."""
     if not int(failed):
         return
-    distributed = dist.is_available() and dist.is_initialized()
-    found: list[tuple[int, str]] = [(_rank(), problem)] if problem else []
-    for group in groups or (None,):
-        if distributed and dist.get_world_size(group) > 1:
-            gathered: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, found, group=group)
-            found = sorted({entry for entries in gathered for entry in entries})
-    raise AgreedError("; ".join(f"rank {rank}: {text}" for rank, text in found))
+    found = _gather(problem, groups)
+    outside = "a rank outside this group (a context-parallel peer) met a problem; its own error names it"
+    raise AgreedError(_message(found) or outside)
+
+
+def run_agreed(what: str, fn: Callable[[], T], *groups: dist.ProcessGroup | None) -> T:
+    """``fn()`` on every rank of ``groups`` (default: the world), then one exchange of the outcome: if it
+    raised on any rank, every rank raises the same :class:`AgreedError` naming each failing rank (chained
+    to the original exception where it happened). For work outside the steady state (checkpoints):
+    it always costs one ``all_gather_object`` per group."""
+    try:
+        result, error = fn(), None
+    except Exception as exc:  # noqa: BLE001 - every error becomes an agreed one
+        result, error = None, exc
+    found = _gather(None if error is None else f"{what} raised {type(error).__name__}: {error}", groups)
+    if found:
+        raise AgreedError(_message(found)) from error
+    return result  # type: ignore[return-value]
