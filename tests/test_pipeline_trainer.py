@@ -435,33 +435,45 @@ class _ScalarLossLM(_SampleMeanPipelinedLM):
 
 class _FailingLossLM(_PipelinedLM):
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        raise KeyError("logits")  # any error of the user's loss
+        dp = self.trainer.strategy.meshes["dp"]
+        if dp.get_local_rank() == dp.size() - 1:  # one pipeline (of the last data rank) only
+            raise KeyError("logits")  # any error of the user's loss
+        return super().pipeline_loss(output, target)
 
 
-def _loss_error_case(normalization: str) -> tuple[str, str]:
+def _loss_error_case(normalization: str, dp_shard: int) -> tuple[str, str, str]:
     use_existing_process_group()
     module = _ScalarLossLM() if normalization == "sample_mean" else _FailingLossLM()
-    module.dp = 1
+    module.dp = dp_shard
     strategy = nd.NDParallelStrategy(
-        pp=2, dp_shard=1, pipeline=nd.PipelineOptions(split_points=["layers.2"], microbatches=2), loss_normalization=normalization
-    )
+        pp=2, dp_shard=dp_shard, pipeline=nd.PipelineOptions(split_points=["layers.2"], microbatches=2),
+        loss_normalization=normalization,
+    )  # fmt: skip
     with pytest.raises(Exception) as info:
-        _fit_two_windows(module, strategy, devices=2)
-    return type(info.value).__name__, str(info.value)
+        _fit_two_windows(module, strategy, devices=2 * dp_shard)
+    cause = info.value.__cause__
+    return type(info.value).__name__, str(info.value), type(cause).__name__ if cause is not None else ""
 
 
 @pytest.mark.faults
 @pytest.mark.parametrize(
-    "normalization,error,text",
-    [("sample_mean", "ValueError", "pipeline_loss must return per-token losses"), ("token_mean", "KeyError", "logits")],
+    "normalization,error,text,dp_shard",
+    [
+        ("sample_mean", "ValueError", "pipeline_loss must return per-token losses", 1),
+        ("token_mean", "KeyError", "'logits'", 1),
+        ("token_mean", "KeyError", "'logits'", 2),
+    ],
+    ids=["sample_mean", "token_mean", "token_mean-dp2"],
 )
-def test_an_error_in_pipeline_loss_raises_on_every_stage(normalization, error, text):
-    """The last stage raises the error itself once the schedule is through; the other stages, which
-    would otherwise wait for its gradients, raise naming it (the old code timed out here)."""
-    last, first = run_on_ranks(2, _loss_error_case, normalization, timeout=60)[::-1]
-    assert last[0] == error and text in last[1]
-    assert first[0] == "RuntimeError"
-    assert f"pipeline_loss raised on the last pipeline stage (global rank 1): {error}" in first[1] and text in first[1]
+def test_an_error_in_pipeline_loss_raises_on_every_rank(normalization, error, text, dp_shard):
+    """Once the schedule is through, every rank raises the same error, the failing last stages chained to their
+    own; the old code timed out on the other stages, and with dp_shard=2 (the error shared over pp only) left
+    the other pipeline's ranks waiting in the next collective."""
+    results = run_on_ranks(2 * dp_shard, _loss_error_case, normalization, dp_shard, timeout=60)
+    assert {(kind, message) for kind, message, _ in results} == {("AgreedError", results[0][1])}
+    failing = 2 * dp_shard - 1  # the last stage (pp is the outermost mesh dim) of the last data rank's pipeline
+    assert results[0][1].startswith(f"rank {failing}: pipeline_loss raised {error}: ") and text in results[0][1]
+    assert [cause for _, _, cause in results] == [""] * failing + [error]
 
 
 class _ManualTiedPipelinedLM(_TiedPipelinedLM):

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_ndclip._compat import tree_leaves
+from lightning_ndclip.core.agree import AgreedError, raise_agreed
 from lightning_ndclip.core.loss import TokenCount, loss_share
 from lightning_ndclip.core.mesh import ParallelMeshes
 from lightning_ndclip.core.parallelism import ParallelPlan
@@ -282,21 +283,27 @@ class PipelineRunner:
             run(target=target, losses=losses)
         else:
             run()
-        # [loss, failed], float64 on every rank: the broadcast must agree in size whatever the loss dtype
-        result = torch.zeros(2, dtype=torch.float64, device=self.device)
-        if losses:
-            result[0] = torch.stack(losses).sum().detach()
-        result[1] = float(self._loss_error is not None)
-        last = int(pp_mesh.mesh.flatten()[size - 1])
-        dist.broadcast(result, src=last, group=pp_mesh.get_group())
-        if result[1]:  # one host read per batch: every stage raises, none is left waiting
-            self._raise_loss_error(last)
-        return result[0]
+        # per pipeline (each a row): [loss, failed], float64, summed over the world: every rank gets its
+        # pipeline's loss from its last stage, and learns of an error in any pipeline (one collective)
+        world = self._meshes.world
+        pipelines = world.size() // size
+        pipeline = 0
+        for name, coordinate, extent in zip(world.mesh_dim_names or (), world.get_coordinate() or (), world.shape):
+            pipeline = pipeline if name == "pp" else pipeline * extent + coordinate
+        result = torch.zeros(pipelines, 2, dtype=torch.float64, device=self.device)
+        if rank == size - 1:
+            if losses:
+                result[pipeline, 0] = torch.stack(losses).sum().detach()
+            result[pipeline, 1] = float(self._loss_error is not None)
+        dist.all_reduce(result)
+        if result[:, 1].any():  # one host read per batch: every rank raises, none is left waiting
+            self._raise_loss_error()
+        return result[pipeline, 0]
 
-    def _raise_loss_error(self, last: int) -> None:
+    def _raise_loss_error(self) -> None:
         error, self._loss_error = self._loss_error, None
-        message = [None if error is None else f"{type(error).__name__}: {error}"]
-        dist.broadcast_object_list(message, src=last, group=self._meshes["pp"].get_group())
-        if error is not None:
-            raise error
-        raise RuntimeError(f"pipeline_loss raised on the last pipeline stage (global rank {last}): {message[0]}")
+        problem = None if error is None else f"pipeline_loss raised {type(error).__name__}: {error}"
+        try:
+            raise_agreed(1, problem)
+        except AgreedError as agreed:
+            raise agreed from error

@@ -353,8 +353,9 @@ class NDParallelStrategy(ModelParallelStrategy):
         In validation / testing (call it from ``validation_step``): forward only, and the loss is the
         plain sum of ``pipeline_loss`` over the micro-batches (of its elements, if it is per-token).
 
-        An error in ``pipeline_loss`` is raised once the schedule is through, on every stage: the
-        last stage raises it, the others a ``RuntimeError`` naming it."""
+        An error in ``pipeline_loss`` is raised once the schedule is through, on every rank of every
+        pipeline: the same :class:`~lightning_ndclip.core.agree.AgreedError` naming the rank and the
+        error (chained to it on that rank)."""
         if self._pipeline is None:
             raise RuntimeError("run_pipeline needs NDParallelStrategy(pp > 1)")
         return self._pipeline.run(inputs, target, training=self._module.trainer.training)
