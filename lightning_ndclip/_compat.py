@@ -53,6 +53,7 @@ __all__ = [
     "set_device_mesh",
     "setup_distributed",
     "should_accumulate",
+    "logged_in_this_hook",
     "sync_ddp_if_available",
     "tree_leaves",
     "unflatten_mesh",
@@ -81,6 +82,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "materialize_distributed_module": ("lightning.fabric.utilities.init:_materialize_distributed_module",),
     "optimizers_to_device": ("lightning.fabric.utilities.optimizer:_optimizers_to_device",),
     "should_accumulate": ("lightning.pytorch.loops.fit_loop:_FitLoop._should_accumulate",),
+    "logged_in_this_hook": ("lightning.pytorch.trainer.trainer:Trainer._results",),
     "batches_that_stepped": ("lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop._batches_that_stepped",),
     "set_device_mesh": (
         "lightning.pytorch.core.module:LightningModule._device_mesh",
@@ -233,6 +235,14 @@ def sync_ddp_if_available(tensor: torch.Tensor, group: Any, reduce_op: Any) -> t
     from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 
     return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+
+def logged_in_this_hook(trainer: pl.Trainer, hook: str, name: str) -> bool:
+    """Whether ``self.log(name, ...)`` was already called in the running ``hook`` (reason: the loop's
+    result collection is the only record; Lightning raises only when the two calls' options differ,
+    and silently keeps the last value when they match)."""
+    results = trainer._results
+    return results is not None and f"{hook}.{name}" in results
 
 
 def metadata_filename() -> str:

@@ -45,7 +45,7 @@ from lightning_ndclip.core._checkpoint import (
 )
 from lightning_ndclip.core.agree import run_agreed
 from lightning_ndclip.core.coverage import check_data_parallel_reduction
-from lightning_ndclip.core.loss import loss_share
+from lightning_ndclip.core.loss import loss_share, sync_sample_weights
 from lightning_ndclip.core.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError
 from lightning_ndclip.core.parallelism import ParallelPlan
 from lightning_ndclip.core.pipeline import PipelineOptions
@@ -55,6 +55,7 @@ from lightning_ndclip.core.summary import ParallelSummary, summarize
 from lightning_ndclip.core.tensor_parallel import check_ties, tied_parameters
 from lightning_ndclip.lightning._pipeline import PipelineRunner
 from lightning_ndclip.lightning._windows import LossWindows
+from lightning_ndclip.lightning.metrics import GlobalMeanLoss
 
 __all__ = ["NDParallelStrategy"]
 
@@ -152,6 +153,10 @@ class NDParallelStrategy(ModelParallelStrategy):
             habit) or ``"sum"``.
         log_loss: with ``loss_normalization``, the name under which the exact global mean loss of each
             optimizer step is logged (on step, progress bar); ``None`` logs nothing.
+        log_eval_loss: with ``loss_normalization`` (and ``pp=1``), a ``validation_step`` /
+            ``test_step`` that returns its loss, as ``training_step`` does, has the exact global mean
+            of the epoch (tokens or samples, the same on every mesh) logged as ``val_loss`` /
+            ``test_loss``. ``False`` logs nothing. Logging the same name yourself is an error.
         sum_reduction: make every FSDP2 gradient reduction a plain SUM, for a ``training_step`` that
             normalizes its loss by global counts itself. Implied by ``loss_normalization``.
         init_sync: after ``configure_model``, give every replica of a parameter or buffer (its
@@ -183,6 +188,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         loss_normalization: Literal["token_mean", "sample_mean"] | None = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
         log_loss: str | None = "train_loss",
+        log_eval_loss: bool = True,
         plan: ParallelPlan | None = None,
         pipeline: PipelineOptions | None = None,
         sum_reduction: bool = False,
@@ -227,6 +233,9 @@ class NDParallelStrategy(ModelParallelStrategy):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self._loss_reduction = loss_reduction
         self._log_loss = log_loss
+        self._log_eval_loss = log_eval_loss
+        self._eval_losses: dict[str, GlobalMeanLoss] = {}
+        self._own_logs: set[str] = set()  # "hook.name" the strategy has logged
         self._window_loss: torch.Tensor | None = None
         self._sum_reduction = sum_reduction or loss_normalization is not None
         self._init_sync = init_sync
@@ -591,7 +600,73 @@ class NDParallelStrategy(ModelParallelStrategy):
         group = self.meshes["dp_cp"].get_group()
         if dist.get_world_size(group) > 1:
             dist.all_reduce(total, group=group)
-        self._module.log(self._log_loss, total, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+        self._log_exact("training_step", self._log_loss, total, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+
+    def _log_exact(self, hook: str, name: str, value: Any, **options: Any) -> None:
+        """``self.log`` one of the strategy's exact means, refusing a name the module's ``hook`` logged too
+        (checked before the strategy first logs it: Lightning keeps a name's entry once logged)."""
+        if f"{hook}.{name}" not in self._own_logs and _compat.logged_in_this_hook(self._module.trainer, hook, name):
+            switch = "log_loss=None or another name" if hook == "training_step" else "log_eval_loss=False"
+            raise ValueError(
+                f"{hook} logs {name!r}, and NDParallelStrategy(loss_normalization={self._loss_normalization!r}) logs "
+                f"the exact global mean under that name: rename yours, or pass NDParallelStrategy({switch}). Your "
+                "own per-rank means, averaged over ranks, change with the mesh when token counts differ"
+            )
+        self._module.log(name, value, **options)
+        self._own_logs.add(f"{hook}.{name}")
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().validation_step(*args, **kwargs)
+        self._log_eval_loss_of("validation_step", "val_loss", output, args[0] if args else kwargs.get("batch"))
+        return output
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().test_step(*args, **kwargs)
+        self._log_eval_loss_of("test_step", "test_loss", output, args[0] if args else kwargs.get("batch"))
+        return output
+
+    def _log_eval_loss_of(self, hook: str, name: str, output: Any, batch: Any) -> None:
+        """Add this step's loss, weighted as in training, to the epoch's exact global mean and log it
+        (``GlobalMeanLoss`` over the loss dims, computed when the epoch ends)."""
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if not (self._log_eval_loss and self._loss_normalization and isinstance(loss, torch.Tensor)):
+            return
+        if self.parallel_dims.pp > 1:
+            return
+        metric = self._eval_losses.get(name)
+        if metric is None:
+            group = self.meshes["dp_cp"].get_group()
+            metric = self._eval_losses[name] = GlobalMeanLoss(process_group=group).to(self.root_device)
+        metric.update(*self._weighted(hook, loss.detach(), batch))
+        self._log_exact(hook, name, metric, on_step=False, on_epoch=True, metric_attribute=name)
+
+    def _weighted(self, hook: str, loss: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum of this rank's weighted losses, its weight)`` for the epoch's exact global mean."""
+        module: Any = self._module
+        wide = torch.promote_types(loss.dtype, torch.float32)
+        cp = self.meshes["cp"]
+        if self._loss_normalization == "sample_mean":
+            ids, num_samples, *valid = module.sample_ids(batch)
+            weights = sync_sample_weights(
+                [torch.as_tensor(ids)], [int(num_samples)], [torch.as_tensor(v) for v in valid] or None,
+                cp_group=cp.get_group(), dp_group=self.meshes["dp"].get_group(),
+            )  # fmt: skip
+            w = weights.weights[0]
+            value = torch.where(w > 0, w * loss.to(wide), 0).sum() * weights.num_samples
+            return value, weights.local_samples
+        count = torch.as_tensor(module.count_tokens(batch)).to(loss.device)
+        if loss.ndim > 0:  # per-token losses of this rank's tokens (of its sequence shard under cp)
+            value = loss.to(wide).sum()
+        elif cp.size() > 1:
+            raise ValueError(
+                f"with cp > 1 and loss_normalization='token_mean', {hook} must return the per-token losses of its "
+                "sequence shard to be weighted exactly (count_tokens counts the raw batch)"
+            )
+        else:
+            value = loss.to(wide) if self._loss_reduction == "sum" else torch.where(count > 0, loss.to(wide) * count, 0)
+        return value, count if cp.get_local_rank() == 0 else torch.zeros_like(count)
 
     def _optimizer_options(self) -> StateDictOptions:
         # flattened keys (one per parameter): pipeline stages hold different parameters, and a single
