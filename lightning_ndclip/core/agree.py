@@ -71,14 +71,17 @@ def raise_agreed(failed: torch.Tensor | int, problem: str | None, *groups: dist.
 
 def run_agreed(what: str, fn: Callable[[], T], *groups: dist.ProcessGroup | None) -> T:
     """``fn()`` on every rank of ``groups`` (default: the world), then one exchange of the outcome: if it
-    raised on any rank, every rank raises the same :class:`AgreedError` naming each failing rank (chained
-    to the original exception where it happened). For work outside the steady state (checkpoints):
-    it always costs one ``all_gather_object`` per group."""
+    raised on any rank, every rank raises: those where it raised their own exception (its type is part
+    of the contract, e.g. Lightning's ``IsADirectoryError``), the others an :class:`AgreedError` naming
+    each failing rank and its error. For work outside the steady state (checkpoints): it always costs
+    one ``all_gather_object`` per group."""
     try:
         result, error = fn(), None
     except Exception as exc:  # noqa: BLE001 - every error becomes an agreed one
         result, error = None, exc
     found = _gather(None if error is None else f"{what} raised {type(error).__name__}: {error}", groups)
+    if error is not None:
+        raise error
     if found:
-        raise AgreedError(_message(found)) from error
+        raise AgreedError(_message(found))
     return result  # type: ignore[return-value]

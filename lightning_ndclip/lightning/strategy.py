@@ -6,12 +6,10 @@ import dataclasses
 import difflib
 import inspect
 import math
-import shutil
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -691,23 +689,21 @@ class NDParallelStrategy(ModelParallelStrategy):
         ranks write a fresh sibling directory that rank 0 completes and swaps in, so a fault leaves the old or
         the new checkpoint at ``filepath``, never a mix (:mod:`lightning_ndclip.core._checkpoint`). A full
         checkpoint (``save_distributed_checkpoint=False``) is Lightning's, written atomically by rank 0; an
-        error there raises an :class:`~lightning_ndclip.core.agree.AgreedError` on every rank. A URL
+        error there is raised on rank 0 and, as an :class:`~lightning_ndclip.core.agree.AgreedError`
+        naming it, on every other rank. A URL
         (``s3://...``) raises ``ValueError`` on every rank: Lightning would write it to a local directory."""
         if storage_options is not None:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         path = file_system_path(self.broadcast(filepath))
         if not _compat.save_distributed_checkpoint(self):
-            # Lightning removes a distributed checkpoint at the path on every rank at once (they race):
-            # rank 0 does it first; then rank 0 writes, and a failure there raises on every rank
-            run_agreed(f"removing the distributed checkpoint {str(path)!r}", partial(self._remove_sharded, path))
-            run_agreed(f"saving the full checkpoint {str(path)!r}", partial(super().save_checkpoint, checkpoint, path))
+            # rank 0 saves as Lightning does; the others only join its broadcast of the path: Lightning's
+            # removal of a distributed checkpoint there ran on every rank at once (they raced), and an
+            # error on rank 0 left the others going on
+            save = partial(super().save_checkpoint, checkpoint, path) if self.global_rank == 0 else partial(self.broadcast, path)
+            run_agreed(f"saving the full checkpoint {str(path)!r}", save)
             return None
         save_distributed_checkpoint_atomically(self, checkpoint, path)
         return None
-
-    def _remove_sharded(self, path: Path) -> None:
-        if self.global_rank == 0 and path.is_dir() and (path / _compat.metadata_filename()).is_file():
-            shutil.rmtree(path)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
