@@ -1,6 +1,6 @@
 """Hugging Face transformers' tensor-parallel styles map to the plain PyTorch styles with transformers' own
 layouts (``hf_tp_plan``), and a style or module they cannot express is an error naming it; skipped without
-transformers. A transformers Llama in ``Trainer.fit`` with its own plan: test_hf_trainer.py."""
+transformers. Every family in ``Trainer.fit`` with its own plan: test_hf_families.py."""
 
 from __future__ import annotations
 

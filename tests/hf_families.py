@@ -1,0 +1,49 @@
+"""Tiny configs (hidden size 16, 2 layers, 4 heads / 2 key-value heads, random weights, nothing downloaded) of the
+transformers causal-LM families that ship a tensor-parallel plan, as people fine-tune them: tied embeddings where the
+family ships them tied. Used by test_hf_families.py (the family matrix) and its docs table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+COMMON: dict[str, Any] = dict(
+    vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # name: (config class, model class, config arguments beyond COMMON)
+    "Llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
+    "Llama (tied)": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+    "Mistral": ("MistralConfig", "MistralForCausalLM", {"head_dim": 4}),
+    "Qwen2 (tied)": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 4}),
+    "Gemma2 (tied)": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 4}),
+    "Gemma3 (tied)": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 4}),
+    "Phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "OLMo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "GPT-NeoX": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_key_value_heads": None}),
+    "Starcoder2 (tied)": ("Starcoder2Config", "Starcoder2ForCausalLM", {"tie_word_embeddings": True}),
+    "Mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "Qwen3-MoE": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"head_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                                                              "moe_intermediate_size": 8}),
+}
+
+
+def tiny_causal_lm(family: str) -> nn.Module:
+    import transformers
+
+    config_class, model_class, extra = FAMILIES[family]
+    arguments = {**COMMON, **extra}
+    arguments = {k: v for k, v in arguments.items() if v is not None}
+    config = getattr(transformers, config_class)(**arguments)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config)
+    with torch.no_grad():  # norms start away from their init, so a gradient summed wrongly over tp shows
+        for name, param in model.named_parameters():
+            if "norm" in name or "layernorm" in name:
+                param.add_(0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+    return model

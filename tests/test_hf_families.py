@@ -1,0 +1,142 @@
+"""The family matrix: every transformers causal-LM family with a tensor-parallel plan (tiny configs,
+``hf_families.py``), trained with its own plan (``tp_plan="auto"``) on dp_shard=2 x tp=2 with the exact token mean,
+accumulation over micro-batches of uneven token counts and ``GlobalNormClip``, against the same model trained on one
+process in float64: the logged losses, the norms and the parameters after 2 clipped steps agree to 1e-5 (fp32), or
+the family is refused with an error naming the style. ``docs/howto/hugging-face.md``'s table is this matrix
+(``test_the_docs_table_is_the_matrix`` fails, printing the table, when they differ)."""
+
+from __future__ import annotations
+
+import re
+from fnmatch import fnmatch
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from harness import run_on_ranks
+from helpers import use_existing_process_group
+from hf_families import FAMILIES, tiny_causal_lm
+from test_callbacks import Recorder
+from torch import nn
+
+import lightning_ndclip as nd
+
+transformers = pytest.importorskip("transformers")
+
+STEPS, LR, MAX_NORM, BATCH = 2, 0.5, 0.5, 2
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "howto" / "hugging-face.md"
+
+REFUSED = {  # family -> the style its plan uses that no exact PyTorch style expresses yet
+    "Mixtral": "packed_colwise",
+    "Qwen3-MoE": "packed_colwise",
+}
+EXACT = [family for family in FAMILIES if family not in REFUSED]
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, 32, (8, 6), generator=g)
+    labels = torch.randint(3, 32, (8, 6), generator=g)
+    labels[torch.rand(8, 6, generator=g) < 0.3] = -100  # micro-batches with different token counts
+    return tokens, labels
+
+
+class _FamilyModule(L.LightningModule):
+    def __init__(self, family: str) -> None:
+        super().__init__()
+        self.lm = tiny_causal_lm(family)
+
+    def count_tokens(self, batch) -> torch.Tensor:
+        return (batch[1] != -100).sum()
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        logits = self.lm(input_ids=tokens).logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data()), batch_size=BATCH)
+
+
+def _reference(family: str) -> dict:
+    """One process, float64; each Trainer step covers all 8 rows (2 micro-batches x 2 data ranks x 2 rows)."""
+    model = tiny_causal_lm(family).double()
+    tokens, labels = _data()
+    losses, norms = [], []
+    for _ in range(STEPS):
+        model.zero_grad()
+        logits = model(input_ids=tokens).logits
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        loss.backward()
+        losses.append(float(loss))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _fit_case(family: str) -> dict:
+    use_existing_process_group()
+    recorder = Recorder()
+    module = _FamilyModule(family)
+    units = {type(m) for m in module.lm.modules() if type(m).__name__ in module.lm._no_split_modules}
+    plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=sorted(units, key=lambda c: c.__name__))
+    strategy = nd.NDParallelStrategy(dp_shard=2, tp=2, plan=plan, loss_normalization="token_mean", summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=2,
+        callbacks=[nd.GlobalNormClip(MAX_NORM)], logger=recorder, log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module)
+    return {
+        "losses": [m["train_loss"] for _, m in recorder.rows if "train_loss" in m],
+        "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m],
+        "params": {n: p.detach().full_tensor() for n, p in module.lm.named_parameters()},
+        "tp_split": sorted(n for n, p in module.lm.named_parameters() if "tp" in p.device_mesh.mesh_dim_names),
+    }
+
+
+@pytest.mark.parametrize("family", EXACT)
+def test_a_family_trained_with_its_own_plan_equals_one_device(family):
+    reference = _reference(family)
+    assert min(reference["norms"]) > MAX_NORM, "clipping should be active at every step"
+    result = run_on_ranks(4, _fit_case, family)[0]
+    # the model's own plan was applied: exactly the weights of the modules it names are split over tp, and the
+    # tied embedding (one parameter with the split head)
+    model = tiny_causal_lm(family)
+    planned = list(model.tp_plan) + (["model.embed_tokens"] if "tied" in family else [])
+    expected = sorted(n for n, _ in model.named_parameters() if any(fnmatch(n.rsplit(".", 1)[0], k) for k in planned))
+    assert result["tp_split"] == expected, result["tp_split"]
+    for key in ("losses", "norms"):
+        torch.testing.assert_close(torch.tensor(result[key]), torch.tensor(reference[key]), rtol=1e-5, atol=0, msg=key)
+    assert result["params"].keys() == reference["params"].keys()
+    for name, expected in reference["params"].items():
+        torch.testing.assert_close(result["params"][name].double(), expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_a_family_whose_plan_cannot_be_exact_is_refused_naming_the_style(family):
+    with pytest.raises(ValueError, match=rf"= '{REFUSED[family]}': no plain PyTorch ParallelStyle expresses"):
+        nd.hf_tp_plan(tiny_causal_lm(family))
+
+
+def _table() -> str:
+    rows = ["| family (tiny config) | tied embeddings | `tp_plan=\"auto\"` on dp_shard=2 × tp=2 |", "|---|---|---|"]
+    for family in FAMILIES:
+        model = tiny_causal_lm(family)
+        tied = "yes" if model.get_output_embeddings().weight is model.get_input_embeddings().weight else "no"
+        verdict = f"refused: `{REFUSED[family]}`" if family in REFUSED else "exact (1e-5, fp32)"
+        rows.append(f"| {family.split(' (')[0]} | {tied} | {verdict} |")
+    return "\n".join(rows)
+
+
+def test_the_docs_table_is_the_matrix():
+    text = DOCS.read_text(encoding="utf-8")
+    found = re.search(r"<!-- family-matrix -->\n(.*?)\n<!-- /family-matrix -->", text, flags=re.S)
+    assert found, f"{DOCS} lacks the <!-- family-matrix --> block"
+    assert found[1] == _table(), f"update the table in {DOCS} to:\n{_table()}"
