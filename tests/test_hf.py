@@ -70,3 +70,43 @@ def test_a_module_the_style_cannot_shard_is_an_error_naming_it():
 def test_no_transformers_model_is_an_error_saying_so():
     with pytest.raises(ValueError, match="found no Hugging Face transformers model"):
         hf_tp_plan(nn.Sequential(nn.Linear(2, 2)))
+
+
+def _qwen3_tp_only_case() -> dict:
+    from hf_families import tiny_causal_lm
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import lightning_ndclip as nd
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    model = tiny_causal_lm("Qwen3").double()
+    nd.tensor_parallelize(model, mesh, hf_tp_plan(model))
+    tokens = torch.randint(3, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    model(input_ids=tokens).logits.pow(2).mean().backward()
+    norms = {n: p.grad for n, p in model.named_parameters() if "_norm" in n and "self_attn" in n}
+    return {
+        "placements": sorted({str(g.placements) for g in norms.values()}),
+        "grads": {n: g.full_tensor() for n, g in norms.items() if isinstance(g, DTensor)},
+        "total": float(nd.get_total_norm([p.grad for p in model.parameters()])),
+    }
+
+
+def test_replicated_with_grad_allreduce_sums_the_norm_weights_gradient_over_tp():
+    """Qwen3's q_norm / k_norm on tp=2 without FSDP2: each rank's gradient covers its own heads only; the
+    gradient, summed over tp, is Replicate (a Partial gradient would be refused by the norm) and equals one
+    float64 device, as does the total norm."""
+    from harness import run_on_ranks
+    from hf_families import tiny_causal_lm
+
+    model = tiny_causal_lm("Qwen3").double()
+    tokens = torch.randint(3, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    model(input_ids=tokens).logits.pow(2).mean().backward()
+    result = run_on_ranks(2, _qwen3_tp_only_case)[0]
+    assert result["placements"] == ["(Replicate(),)"]
+    reference = dict(model.named_parameters())
+    assert len(result["grads"]) == 4  # q_norm and k_norm of 2 layers
+    for name, grad in result["grads"].items():
+        torch.testing.assert_close(grad, reference[name].grad, rtol=1e-10, atol=1e-14, msg=name)
+    expected = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+    assert abs(result["total"] - expected) <= 1e-10 * expected
