@@ -56,6 +56,7 @@ __all__ = [
     "logged_in_this_hook",
     "sync_ddp_if_available",
     "tree_leaves",
+    "unsafe_view",
     "unflatten_mesh",
     "view_base",
 ]
@@ -66,6 +67,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "dtensor_spec": ("torch.distributed.tensor:DTensor._spec",),
     "StridedShard": ("torch.distributed.tensor.placement_types:_StridedShard",),
     "view_base": ("torch:Tensor._base",),
+    "unsafe_view": ("torch.ops.aten:_unsafe_view",),
     "foreach_norm": ("torch:_foreach_norm",),
     "foreach_mul_": ("torch:_foreach_mul_",),
     "device_has_foreach_support": ("torch.utils._foreach_utils:_device_has_foreach_support",),
@@ -123,6 +125,11 @@ it must count as ``Shard``, not as an unknown placement)."""
 view_base: Callable[[torch.Tensor], torch.Tensor | None] = operator.attrgetter("_base")
 """The tensor a view was made from, e.g. FSDP2's flat gradient buffer (reason: no public API returns
 it; ``untyped_storage()`` gives bytes, not a tensor with a dtype and an address to compare)."""
+
+unsafe_view: Callable[[torch.Tensor, Sequence[int]], torch.Tensor] = torch.ops.aten._unsafe_view
+"""A reshape that autograd does not record as a view (reason: how ``torch.matmul`` returns its 3-D
+result; a ``Linear`` with a bias returns a view of its 2-D ``addmm`` result instead, which FSDP2
+warns about for a unit's output, and no public op turns a view into a tensor without copying)."""
 
 foreach_norm = torch._foreach_norm
 """Per-tensor norms in one multi-tensor kernel (reason: no public foreach API; the kernel

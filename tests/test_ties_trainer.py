@@ -63,8 +63,10 @@ def _reference() -> dict[str, torch.Tensor]:
     model = _model()
     tokens, labels = _data()
     rows = torch.arange(4) % len(tokens)
-    for step in range(STEPS):  # each step: the two data ranks' rows (the sampler deals rows 0, 2 / 1, 3)
-        batch = rows[[2 * step, 2 * step + 1]]
+    # Lightning's DistributedSampler shuffles the rows (seed 0); step s covers order[2s : 2s + 2]
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0))
+    for step in range(STEPS):
+        batch = rows[order[2 * step : 2 * step + 2]]
         model.zero_grad()
         nn.functional.cross_entropy(model(tokens[batch]).flatten(0, 1), labels[batch].flatten()).backward()
         with torch.no_grad():

@@ -11,10 +11,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_ndclip import _compat
 from lightning_ndclip._compat import checkpoint_wrapper
 from lightning_ndclip.core.mesh import ParallelMeshes
 from lightning_ndclip.core.tensor_parallel import tensor_parallelize
@@ -72,7 +74,9 @@ def parallelize(
         root_units: the modules whose ``forward`` is called, each made one more unit for the
             parameters no ``fsdp_units`` member holds (default: ``module`` itself). A LightningModule
             whose ``training_step`` calls ``self.model(...)`` needs ``[self.model]``: FSDP2 gathers a
-            unit's parameters in that unit's forward.
+            unit's parameters in that unit's forward. A container without ``forward``
+            (``nn.ModuleList``, ``nn.ModuleDict``: the nanoGPT habit, ``for block in self.blocks``)
+            stands for its members, each a unit of its own.
 
     Raises:
         ValueError: before changing ``module``, naming the argument and the entries, when an
@@ -99,9 +103,39 @@ def parallelize(
     matched = [m for m in module.modules() if units and isinstance(m, units) and m is not module]
     for unit in matched:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **fsdp_kwargs)
-    for root in [module] if root_units is None else root_units:
+    for root in _callable_units([module] if root_units is None else root_units):
+        if isinstance(root, nn.Linear):  # e.g. a LightningModule's head, a unit of its own
+            root.register_forward_hook(_output_not_a_view)
         fully_shard(root, **fsdp_kwargs)
     return module
+
+
+def _callable_units(roots: Sequence[nn.Module]) -> list[nn.Module]:
+    """``roots``, each container without a ``forward`` (``nn.ModuleList`` / ``nn.ModuleDict``, whose
+    members the caller calls one by one) replaced by its members, and modules already FSDP2 units (or
+    holding no parameter) left out: FSDP2 gathers a unit's parameters in that unit's forward."""
+    units: list[nn.Module] = []
+    for root in roots:
+        if isinstance(root, FSDPModule) or not any(True for _ in root.parameters()):
+            continue
+        if type(root).forward is nn.Module.forward:  # a container: nn.Module's forward raises
+            units += _callable_units(list(root.children()))
+            if any(True for _ in root.parameters(recurse=False)):
+                raise ValueError(
+                    f"{type(root).__name__} holds parameters of its own but has no forward: FSDP2 could not "
+                    "gather them; move them into a module whose forward is called"
+                )
+        else:
+            units.append(root)
+    return units
+
+
+def _output_not_a_view(module: nn.Module, inputs: Any, output: Any) -> Any:
+    """A ``Linear``'s output on 3+-D input is a view of its fresh 2-D result: the same tensor, not
+    recorded as a view, so FSDP2's backward hook on it cannot be lost to an in-place op (nor warned of)."""
+    if type(output) is torch.Tensor and _compat.view_base(output) is not None:
+        return _compat.unsafe_view(output, output.shape)
+    return output
 
 
 @dataclass(frozen=True)
