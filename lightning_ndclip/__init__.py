@@ -13,7 +13,7 @@ from lightning_ndclip.core.agree import AgreedError
 from lightning_ndclip.core.context import context_parallel_attention, shard_sequence
 from lightning_ndclip.core.coverage import check_data_parallel_reduction
 from lightning_ndclip.core.experts import Experts, MoE, shard_experts
-from lightning_ndclip.core.hf import HF_STYLES, ReplicatedWithGradSum, hf_tp_plan
+from lightning_ndclip.core.hf import HF_STYLES, hf_tp_plan
 from lightning_ndclip.core.loss import (
     SampleWeights,
     TokenCount,
@@ -88,7 +88,6 @@ __all__ = [
     "ParallelMeshes",
     "ParallelPlan",
     "ParallelSummary",
-    "ReplicatedWithGradSum",
     "PipelineOptions",
     "SampleWeights",
     "TokenCount",

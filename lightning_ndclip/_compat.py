@@ -67,7 +67,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "dtensor_spec": ("torch.distributed.tensor:DTensor._spec",),
     "StridedShard": ("torch.distributed.tensor.placement_types:_StridedShard",),
     "view_base": ("torch:Tensor._base",),
-    "unsafe_view": ("torch.ops.aten:_unsafe_view",),
+    "unsafe_view": ("torch:ops.aten._unsafe_view",),
     "foreach_norm": ("torch:_foreach_norm",),
     "foreach_mul_": ("torch:_foreach_mul_",),
     "device_has_foreach_support": ("torch.utils._foreach_utils:_device_has_foreach_support",),

@@ -17,8 +17,9 @@ Only the styles plain PyTorch expresses are mapped, each to the layouts ``transf
 ``rowwise_split_input``, ``rowwise_rep``   ``RowwiseParallel(input_layouts=Replicate())``
 ``embedding_rowwise``                      ``RowwiseParallel(input_layouts=Replicate())`` (vocab split)
 ``embedding_colwise``                      ``ColwiseParallel(output_layouts=Replicate())`` (width split)
-``replicated_with_grad_allreduce``         :class:`ReplicatedWithGradSum` (weights replicated, gradient
-                                           summed over tp: Qwen3 / Gemma3 ``q_norm`` / ``k_norm``)
+``replicated_with_grad_allreduce``         ``SequenceParallel(sequence_dim=-2)`` on the heads tp splits:
+                                           weights replicated, gradient summed over tp (Qwen3 / Gemma3
+                                           ``q_norm`` / ``k_norm``)
 ========================================= ====================================================
 
 Any other style (``packed_colwise``, ``sequence_parallel``, the MoE styles, ...) is a ``ValueError``
@@ -30,15 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from lightning_ndclip.core.tensor_parallel import matches_plan_key
 
-__all__ = ["HF_STYLES", "ReplicatedWithGradSum", "hf_tp_plan"]
+__all__ = ["HF_STYLES", "hf_tp_plan"]
 
 
 def _gathered_colwise() -> ParallelStyle:
@@ -49,29 +48,12 @@ def _replicated_rowwise() -> ParallelStyle:
     return RowwiseParallel(input_layouts=Replicate())
 
 
-def _replicate_grad(param: torch.Tensor) -> None:
-    if isinstance(param.grad, DTensor) and any(p.is_partial() for p in param.grad.placements):
-        param.grad = param.grad.redistribute(placements=[Replicate()] * param.grad.device_mesh.ndim)
-
-
-class ReplicatedWithGradSum(SequenceParallel):
-    """``transformers``' ``replicated_with_grad_allreduce`` (Qwen3 / Gemma3 ``q_norm`` / ``k_norm``): the
-    module's weights are replicated over tp and applied to activations whose heads (dim -2) tp splits,
-    so each rank's gradient sums over its own heads only; the gradient is that sum over tp.
-
-    The input is taken as ``Shard(-2)`` of the whole activation (PyTorch's ``SequenceParallel`` with the
-    head dim), so DTensor computes the weight's gradient as a ``Partial`` sum, made ``Replicate`` (summed
-    over tp) once accumulated, or by FSDP2 before its own reduction. Exact for a module that normalizes
-    within a head (the last dim), as these norms do; the output is the local tensor again."""
-
-    def __init__(self) -> None:
-        super().__init__(sequence_dim=-2, use_local_output=True)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module = super()._apply(module, device_mesh)
-        for param in module.parameters():
-            param.register_post_accumulate_grad_hook(_replicate_grad)
-        return module
+def _replicated_on_split_heads() -> ParallelStyle:
+    """``replicated_with_grad_allreduce``: the weights replicated over tp, the input taken as
+    ``Shard(-2)`` (the heads tp splits) of the whole activation, so DTensor computes the weights'
+    gradient as a ``Partial`` sum over tp (made ``Replicate`` by :func:`tensor_parallelize`'s hook or
+    by FSDP2). Exact for a module that normalizes within a head, as ``q_norm`` / ``k_norm`` do."""
+    return SequenceParallel(sequence_dim=-2, use_local_output=True)
 
 
 HF_STYLES: dict[str, tuple[Callable[[], ParallelStyle], tuple[type[nn.Module], ...]]] = {
@@ -83,7 +65,7 @@ HF_STYLES: dict[str, tuple[Callable[[], ParallelStyle], tuple[type[nn.Module], .
     "rowwise_rep": (_replicated_rowwise, (nn.Linear,)),
     "embedding_rowwise": (_replicated_rowwise, (nn.Embedding,)),
     "embedding_colwise": (_gathered_colwise, (nn.Embedding,)),
-    "replicated_with_grad_allreduce": (ReplicatedWithGradSum, (nn.Module,)),
+    "replicated_with_grad_allreduce": (_replicated_on_split_heads, (nn.Module,)),
 }
 """``transformers`` style -> (a PyTorch style for it, the module classes it applies to)."""
 

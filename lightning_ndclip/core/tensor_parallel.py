@@ -127,7 +127,9 @@ def _retie(module: nn.Module, ties: Ties) -> None:
 def tensor_parallelize(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> nn.Module:
     """``torch.distributed.tensor.parallel.parallelize_module(module, tp_mesh, plan)``, keeping tied
     parameters one parameter (see the module docstring): a tied module the plan leaves out gets the
-    replicated style matching its partner's, and each tie is restored after the plan.
+    replicated style matching its partner's, and each tie is restored after the plan. A parameter the
+    plan replicates over tp whose gradient DTensor leaves ``Partial`` (a norm on tp-split activations)
+    gets that gradient summed over tp once accumulated.
 
     Use it in place of ``parallelize_module`` in a ``configure_model`` hook, before ``fully_shard``.
 
@@ -145,7 +147,19 @@ def tensor_parallelize(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str
     ties = tied_parameters(module)
     parallelize_module(module, tp_mesh, _with_tied_partners(module, plan, ties))
     _retie(module, ties)
+    for param in module.parameters():
+        if isinstance(param, DTensor) and any(p.is_replicate() for p in param.placements):
+            param.register_post_accumulate_grad_hook(_sum_partial_gradient)
     return module
+
+
+def _sum_partial_gradient(param: torch.Tensor) -> None:
+    """A replicated weight applied to tp-split activations (a norm under ``SequenceParallel``) gets a
+    ``Partial`` gradient from DTensor: its sum over tp, reduced here once accumulated (FSDP2, which
+    replaces the parameter, reduces it itself before its own reduction)."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        param.grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
 
 
 def check_ties(module: nn.Module, ties: Sequence[Sequence[str]], group: dist.ProcessGroup | None = None) -> None:
