@@ -247,6 +247,34 @@ def test_pipelined_training_resumes_from_a_checkpoint_exactly(tmp_path):
             assert torch.equal(value, r["resumed"][name]), name
 
 
+def _pp_other_layout_case(directory: str) -> str:
+    use_existing_process_group()
+
+    def trainer(split: str) -> L.Trainer:
+        pipeline = nd.PipelineOptions(split_points=[split], microbatches=2)
+        return L.Trainer(accelerator="cpu", devices=2, strategy=nd.NDParallelStrategy(pp=2, dp_shard=1, pipeline=pipeline),
+                         max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)  # fmt: skip
+
+    first, module = trainer("layers.2"), _AdamPipelinedLM()
+    module.dp = 1
+    first.fit(module)
+    first.save_checkpoint(f"{directory}/pp.ckpt")
+    module = _AdamPipelinedLM()
+    module.dp = 1
+    with pytest.raises(ValueError) as info:
+        trainer("layers.1").fit(module, ckpt_path=f"{directory}/pp.ckpt")
+    return str(info.value)
+
+
+@pytest.mark.faults
+def test_resuming_on_another_pipeline_layout_is_refused_naming_both(tmp_path):
+    """It was dcp's missing-key error, while resuming on another mesh (dp, tp) works."""
+    for message in run_on_ranks(2, _pp_other_layout_case, str(tmp_path)):
+        assert "was saved with the pipeline layout {'pp': 2, 'stages_per_rank': 1, 'split_points': ['layers.2']}" in message
+        assert "this run has {'pp': 2, 'stages_per_rank': 1, 'split_points': ['layers.1']}" in message
+
+
 class _ValidatedPipelinedLM(_PipelinedLM):
     def validation_step(self, batch, batch_idx):
         loss_sum = self.trainer.strategy.run_pipeline(*batch)  # forward only: Σ of micro-batch sums

@@ -618,3 +618,24 @@ def test_loss_normalization_with_manual_optimization_is_refused_on_every_rank():
     # it trained on the unscaled per-rank means with SUM reductions: gradients ~dp times too large
     for message in run_on_ranks(2, _manual_token_mean_case):
         assert "loss_normalization='token_mean'" in message and "manual optimization" in message, message
+
+
+class _IterStepModule(_TokenModule):
+    def training_step(self, dataloader_iter):
+        batch, batch_idx, _ = next(dataloader_iter)
+        return super().training_step(batch, batch_idx)
+
+
+def _dataloader_iter_case() -> str:
+    use_existing_process_group()
+    strategy = NDParallelStrategy(dp_shard=2, loss_normalization="token_mean")
+    with pytest.raises(ValueError) as info:
+        _trainer(strategy, devices=2, max_steps=1, logger=False).fit(_IterStepModule())
+    return str(info.value)
+
+
+@pytest.mark.faults
+def test_training_step_with_dataloader_iter_and_loss_normalization_is_refused_saying_why():
+    """It failed inside the window bookkeeping (no normalization for the batch_idx)."""
+    for message in run_on_ranks(2, _dataloader_iter_case):
+        assert "training_step(dataloader_iter) reads its batches itself" in message, message

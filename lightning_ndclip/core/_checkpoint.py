@@ -5,10 +5,12 @@ shard per rank, dcp's ``.metadata`` and Lightning's ``meta.pt``) into the target
 killed while saving over an existing checkpoint leaves old and new shards side by side, and that directory
 loads with no error. Here every rank writes into a fresh sibling directory ``<path>.tmp-<token>`` (the token
 picked by rank 0 and broadcast), rank 0 writes ``meta.pt`` last, once every shard and dcp's ``.metadata`` are
-written, and then swaps the new directory in: the old one is renamed to ``<path>.old-<token>``, the new one to
-``path``, and the old one deleted. A crash at any point leaves at ``path`` the old complete checkpoint or the
-new complete one, or (between the two renames, no checkpoint at ``path``) the old one at ``<path>.old-<token>``,
-which :func:`checkpoint_problem` names when asked to load ``path``. Leftovers of an interrupted save are
+written, and then swaps the new directory in: in one atomic exchange of the two paths where the file system
+offers it (Linux: ext4, xfs, btrfs, tmpfs, ...), else by renaming the old one to ``<path>.old-<token>`` and the
+new one to ``path``; then the old one is deleted. A crash at any point leaves at ``path`` the old complete
+checkpoint or the new complete one, or (only without the exchange, between the two renames: no checkpoint at
+``path``) the old one at ``<path>.old-<token>``, which :func:`checkpoint_problem` names when asked to load
+``path``. Leftovers of an interrupted save are
 removed by the next save to the same path that succeeds.
 
 Loading refuses a directory that lacks ``meta.pt`` or ``.metadata``, or a shard file ``.metadata`` refers to
@@ -17,6 +19,7 @@ Loading refuses a directory that lacks ``meta.pt`` or ``.metadata``, or a shard 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
@@ -44,6 +47,10 @@ TMP_TAG = ".tmp-"
 """``<path>.tmp-<token>``: a save's new checkpoint until it is complete and swapped in."""
 ASIDE_TAG = ".old-"
 """``<path>.old-<token>``: the checkpoint a save replaces, from the first rename of the swap until it is deleted."""
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
 
 
 def _sibling(path: Path, tag: str, token: str) -> Path:
@@ -99,19 +106,34 @@ def _write_meta(checkpoint: dict[str, Any], directory: Path) -> None:
     _fsync_dir(directory)
 
 
+def _exchange(new: Path, path: Path) -> bool:
+    """Swap two existing paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where
+    the system or file system does not offer it."""
+    renameat2 = getattr(_LIBC, "renameat2", None)
+    if renameat2 is None:
+        return False
+    return renameat2(_AT_FDCWD, os.fsencode(new), _AT_FDCWD, os.fsencode(path), _RENAME_EXCHANGE) == 0
+
+
 def _swap_in(new: Path, path: Path, token: str) -> None:
-    """Put the complete checkpoint ``new`` at ``path`` (rank 0 only): rename what is at ``path`` aside,
-    rename ``new`` into place, delete the old one. Entries of an old directory that are not checkpoint files
-    are moved into the new one first (an in-place save kept them); the old checkpoint stays complete."""
+    """Put the complete checkpoint ``new`` at ``path`` (rank 0 only) and delete the old one. Where the file
+    system can exchange two paths atomically, ``new`` and ``path`` swap in one step, so ``path`` never lacks a
+    complete checkpoint (the old one, now at ``new``'s name, is deleted after); elsewhere the old one is
+    renamed aside (``<path>.old-<token>``) and ``new`` into place. Entries of an old directory that are not
+    checkpoint files are moved into the new one first (an in-place save kept them); the old checkpoint stays
+    complete."""
     if path.is_dir() and not path.is_symlink():
         for entry in path.iterdir():
             if not _is_checkpoint_file(entry.name):
                 entry.rename(new / entry.name)
     aside = None
-    if path.exists() or path.is_symlink():
-        aside = _sibling(path, ASIDE_TAG, token)
-        os.rename(path, aside)
-    os.rename(new, path)
+    if (path.exists() or path.is_symlink()) and _exchange(new, path):
+        aside = new
+    else:
+        if path.exists() or path.is_symlink():
+            aside = _sibling(path, ASIDE_TAG, token)
+            os.rename(path, aside)
+        os.rename(new, path)
     _fsync_dir(path.parent)
     for leftover in ([aside] if aside is not None else []) + _leftovers(path):
         _remove(leftover)

@@ -10,6 +10,7 @@ from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -23,6 +24,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -56,6 +58,9 @@ from lightning_ndclip.lightning._windows import LossWindows
 from lightning_ndclip.lightning.metrics import GlobalMeanLoss
 
 __all__ = ["NDParallelStrategy"]
+
+_PIPELINE_KEY = "lightning_ndclip_pipeline"
+"""The key of a distributed checkpoint's pipeline layout in Lightning's ``meta.pt``."""
 
 _SIZES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 _ACCEPTED = (*_SIZES, "data_parallel_size", "tensor_parallel_size", *inspect.signature(ModelParallelStrategy).parameters)
@@ -404,6 +409,15 @@ class NDParallelStrategy(ModelParallelStrategy):
                 f"NDParallelStrategy(loss_normalization={self._loss_normalization!r}) needs the "
                 f"LightningModule to define {needed}"
             )
+        if self._loss_normalization is not None and is_param_in_hook_signature(
+            module.training_step, "dataloader_iter", explicit=True
+        ):
+            raise ValueError(
+                f"NDParallelStrategy(loss_normalization={self._loss_normalization!r}) counts each accumulation "
+                "window's batches before its first backward, and training_step(dataloader_iter) reads its batches "
+                "itself, after that. Take training_step(batch, batch_idx), or use loss_normalization=None with "
+                "sum_reduction=True and scale each loss by lightning_ndclip.sync_token_count(counts).normalize(loss_sum)"
+            )
         if self._loss_normalization is not None and not module.automatic_optimization:
             raise ValueError(
                 f"NDParallelStrategy(loss_normalization={self._loss_normalization!r}) scales the loss that "
@@ -702,17 +716,45 @@ class NDParallelStrategy(ModelParallelStrategy):
             save = partial(super().save_checkpoint, checkpoint, path) if self.global_rank == 0 else partial(self.broadcast, path)
             run_agreed(f"saving the full checkpoint {str(path)!r}", save)
             return None
+        checkpoint = {**checkpoint, _PIPELINE_KEY: self._pipeline_layout()}
         save_distributed_checkpoint_atomically(self, checkpoint, path)
         return None
+
+    def _pipeline_layout(self) -> dict[str, Any]:
+        """What a checkpoint's stages depend on: each stage's parameters and optimizer state are saved
+        under its own keys, so a resume needs the same pipeline (the other dims may change)."""
+        pp = self._dims.pp if self._dims is not None else 1
+        if pp == 1:
+            return {"pp": 1}
+        return {"pp": pp, "stages_per_rank": self._pp.stages_per_rank, "split_points": list(self._pp.split_points or [])}
+
+    def _refuse_other_pipeline_layout(self, path: Path, weights_only: bool | None) -> None:
+        """Raise ``ValueError`` (the same on every rank: they read the same file) when the checkpoint at
+        ``path`` was saved with another pipeline layout than this run's."""
+        meta = path / _compat.metadata_filename()
+        if not meta.is_file():  # a full checkpoint (a file), which pp > 1 never writes
+            return
+        saved = torch.load(meta, weights_only=weights_only).get(_PIPELINE_KEY)
+        here = self._pipeline_layout()
+        if saved is not None and saved != here:
+            raise ValueError(
+                f"the checkpoint {str(path)!r} was saved with the pipeline layout {saved} and this run has {here}: "
+                "each stage's parameters and optimizer states are saved under that stage's own keys. Resume with "
+                "the same pp, stages_per_rank and split_points (dp_replicate, dp_shard, cp and tp may change)"
+            )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """As Lightning's ModelParallelStrategy; with ``pp > 1``, optimizer states use flattened
         per-parameter keys, so every stage restores its own parameter groups. An incomplete distributed
         checkpoint directory (no ``meta.pt`` or ``.metadata``, or a shard missing) is refused with the
-        same ``ValueError`` on every rank, saying what is missing; so is a URL (``s3://...``)."""
+        same ``ValueError`` on every rank, saying what is missing; so is a URL (``s3://...``), and a
+        checkpoint saved with another pipeline layout (``pp``, ``stages_per_rank``, ``split_points``;
+        the other dims may change)."""
         path = file_system_path(self.broadcast(checkpoint_path))
         refuse_incomplete_checkpoint(self, path)
+        check = partial(self._refuse_other_pipeline_layout, path, weights_only)
+        run_agreed(f"checking the pipeline layout of {str(path)!r}", check)
         if self._dims is None or self._dims.pp == 1:
             return super().load_checkpoint(path, weights_only=weights_only)
         if not path.is_dir():
