@@ -45,7 +45,7 @@ from lightning_ndclip.core.pipeline import (
     tie_gradients,
 )
 from lightning_ndclip.core.reduce import sum_allreduce_hook, use_sum_reduction
-from lightning_ndclip.core.replicas import broadcast_replicas_
+from lightning_ndclip.core.replicas import broadcast_replicas_, check_replica_gradients
 from lightning_ndclip.core.ring_attention import ring_attention
 from lightning_ndclip.core.summary import ModuleRow, ParallelSummary, summarize
 from lightning_ndclip.core.tensor_parallel import check_ties, tensor_parallelize, tied_parameters
@@ -94,6 +94,7 @@ __all__ = [
     "broadcast_replicas_",
     "build_pipeline",
     "check_data_parallel_reduction",
+    "check_replica_gradients",
     "check_ties",
     "clip_grad_norm_",
     "clip_grads_with_norm_",

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_ndclip._compat import local_tensors
 
-__all__ = ["broadcast_replicas_"]
+__all__ = ["broadcast_replicas_", "check_replica_gradients"]
 
 
 def _source(mesh: DeviceMesh, dim: int) -> int:
@@ -90,3 +90,50 @@ def broadcast_replicas_(
     for src, group, members in buckets.values():
         _broadcast_coalesced(members, src, group)
     return len(buckets)
+
+
+def _replicated_over_tp(param: torch.Tensor) -> bool:
+    """Whether every tensor-parallel rank holds the same values of ``param`` (not a ``Shard`` over ``tp``)."""
+    if not isinstance(param, DTensor):
+        return True
+    names = param.device_mesh.mesh_dim_names or ()
+    return "tp" not in names or not param.placements[names.index("tp")].is_shard()
+
+
+def check_replica_gradients(module: nn.Module, tp_mesh: DeviceMesh, rtol: float = 1e-5) -> None:
+    """Raise ``ValueError`` on every rank if a parameter that the tensor-parallel ranks hold as copies
+    has a different gradient on some of them: its copies would drift apart, silently.
+
+    That happens when a plan leaves a module whole (replicated over ``tp``) while its input is split
+    over ``tp``: each rank's gradient is a partial sum (e.g. Qwen3's ``q_norm`` / ``k_norm`` on split
+    heads, under a ``transformers`` plan without ``replicated_with_grad_allreduce``). Compares a
+    float64 sum and sum of squares of each such gradient over ``tp`` (one all-reduce), then agrees on
+    the verdict over the world (one more; an ``all_gather_object`` only on failure). Call it on every
+    rank, after backward, once (e.g. at the first optimizer step); gradients left ``None`` count as zero.
+    """
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad and _replicated_over_tp(p)]
+    if tp_mesh.size() == 1 or not named:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in named]
+    local = local_tensors(grads)
+    sums = torch.stack([torch.stack([g.double().sum(), g.double().square().sum()]) for g in local])
+    extremes = torch.cat([sums, -sums])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=tp_mesh.get_group())
+    high, low = extremes[: len(sums)], -extremes[len(sums) :]
+    scale = torch.maximum(high.abs(), low.abs()).clamp(min=1e-30)
+    differ = ((high - low) > rtol * scale).any(dim=1)
+    mine = [name for (name, _), bad in zip(named, differ.tolist()) if bad]
+    flag = torch.tensor([len(mine)], dtype=torch.int64, device=sums.device)
+    dist.all_reduce(flag)
+    if not int(flag):
+        return
+    gathered: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    names = sorted({name for found in gathered if found for name in found})
+    raise ValueError(
+        f"the gradients of {names[:6]}{' ...' if len(names) > 6 else ''} differ between tensor-parallel ranks that "
+        "hold them as copies: each rank's is a partial sum, and the copies would drift apart. A module the tp plan "
+        "leaves whole is fed tp-split activations (e.g. Qwen3 / Gemma3 q_norm / k_norm under a transformers plan "
+        "without 'replicated_with_grad_allreduce'); give it a style that sums its gradient over tp, e.g. "
+        "SequenceParallel(sequence_dim=<the split dim>, use_local_output=True)"
+    )

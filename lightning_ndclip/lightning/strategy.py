@@ -6,7 +6,7 @@ import dataclasses
 import difflib
 import inspect
 import math
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -50,7 +50,7 @@ from lightning_ndclip.core.mesh import ParallelDims, ParallelMeshes, _SizeMismat
 from lightning_ndclip.core.parallelism import ParallelPlan
 from lightning_ndclip.core.pipeline import PipelineOptions
 from lightning_ndclip.core.reduce import use_sum_reduction
-from lightning_ndclip.core.replicas import broadcast_replicas_
+from lightning_ndclip.core.replicas import broadcast_replicas_, check_replica_gradients
 from lightning_ndclip.core.summary import ParallelSummary, summarize
 from lightning_ndclip.core.tensor_parallel import check_ties, tied_parameters
 from lightning_ndclip.lightning._pipeline import PipelineRunner
@@ -261,6 +261,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._dims: ParallelDims | None = None
         self._meshes: ParallelMeshes | None = None
         self._ties: list[tuple[str, ...]] = []
+        self._replica_gradients_checked = False
 
     @property
     def is_distributed(self) -> bool:
@@ -371,6 +372,21 @@ class NDParallelStrategy(ModelParallelStrategy):
         if self._pipeline is None:
             raise RuntimeError("run_pipeline needs NDParallelStrategy(pp > 1)")
         return self._pipeline.run(inputs, target, training=self._module.trainer.training)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """As Lightning's; at the first step of a run with ``tp > 1``, once the window's gradients exist and
+        before any callback sees them, checks that parameters the tensor-parallel ranks hold as copies got
+        the same gradient on each (:func:`~lightning_ndclip.core.replicas.check_replica_gradients`)."""
+        if not self._replica_gradients_checked and self._dims is not None and self._dims.tp > 1:
+            self._replica_gradients_checked = True
+            closure = partial(self._checked_closure, closure)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _checked_closure(self, closure: Callable[[], Any]) -> Any:
+        output = closure()
+        check_replica_gradients(self._wrapped_model, self.meshes["tp"])
+        return output
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
