@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -521,6 +522,13 @@ class NDParallelStrategy(ModelParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
+        """Prints the summary; and applies a ``GradientAccumulationScheduler``'s factor for the current
+        epoch, which Lightning leaves unset when it resumes mid-epoch (it skips ``on_train_epoch_start``
+        there, and the resumed epoch accumulated 1 micro-batch where the uninterrupted run accumulated k)."""
+        trainer = self._module.trainer
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, GradientAccumulationScheduler):
+                trainer.accumulate_grad_batches = callback.get_accumulate_grad_batches(trainer.current_epoch)
         if self._summary:
             summary = self.parallel_summary()
             rank_zero_info(str(summary))
