@@ -639,3 +639,41 @@ def test_training_step_with_dataloader_iter_and_loss_normalization_is_refused_sa
     """It failed inside the window bookkeeping (no normalization for the batch_idx)."""
     for message in run_on_ranks(2, _dataloader_iter_case):
         assert "training_step(dataloader_iter) reads its batches itself" in message, message
+
+
+def _all_reduces_per_step_case() -> list[int]:
+    """Counts torch.distributed.all_reduce calls per optimizer step of a token_mean fit with GlobalNormClip."""
+    import torch.distributed as dist
+
+    use_existing_process_group()
+    calls: list[int] = [0]
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    per_step: list[int] = []
+
+    class _Count(L.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if trainer.global_step > len(per_step):  # a window just ended
+                per_step.append(calls[0])
+                calls[0] = 0
+
+    strategy = NDParallelStrategy(dp_shard=2, loss_normalization="token_mean", summary=False)
+    trainer = _trainer(strategy, devices=2, max_steps=4, accumulate_grad_batches=ACCUMULATE, logger=False,
+                       callbacks=[GlobalNormClip(1.0), _Count()])  # fmt: skip
+    dist.all_reduce = counting
+    try:
+        trainer.fit(_TokenModule())
+    finally:
+        dist.all_reduce = real
+    return per_step
+
+
+def test_the_steady_state_has_three_all_reduces_per_step():
+    """The window's counts (carrying every rank's problem flag), the logged loss, the norm: the agreement on hook
+    errors adds no collective (the norm plan's first exchange is an all_gather_object, not counted here)."""
+    for per_step in run_on_ranks(2, _all_reduces_per_step_case):
+        assert per_step[1:] == [3, 3, 3], per_step  # the first step also holds Lightning's setup (loader lengths)
