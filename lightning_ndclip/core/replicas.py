@@ -135,5 +135,6 @@ def check_replica_gradients(module: nn.Module, tp_mesh: DeviceMesh, rtol: float 
         "hold them as copies: each rank's is a partial sum, and the copies would drift apart. A module the tp plan "
         "leaves whole is fed tp-split activations (e.g. Qwen3 / Gemma3 q_norm / k_norm under a transformers plan "
         "without 'replicated_with_grad_allreduce'); give it a style that sums its gradient over tp, e.g. "
-        "SequenceParallel(sequence_dim=<the split dim>, use_local_output=True)"
+        "SequenceParallel(sequence_dim=<the split dim>, use_local_output=True). Or randomness differs between the tp "
+        "ranks (dropout drawn from unequal seeds): seed every rank alike (lightning.seed_everything)"
     )
