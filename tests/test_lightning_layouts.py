@@ -117,3 +117,54 @@ def test_blocks_in_a_module_container_train_exactly_under_a_declarative_plan(con
         assert result["params"].keys() == reference.keys()
         for name, expected in reference.items():
             torch.testing.assert_close(result["params"][name], expected, rtol=1e-10, atol=1e-12, msg=name)
+
+
+CLI_CONFIG = """
+trainer:
+  accelerator: cpu
+  devices: 4
+  max_steps: 2
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  strategy:
+    class_path: lightning_ndclip.NDParallelStrategy
+    init_args:
+      dp_shard: 2
+      tp: 2
+      loss_normalization: token_mean
+      summary: false
+      plan:
+        class_path: lightning_ndclip.ParallelPlan
+        init_args:
+          fsdp_units: [test_lightning_layouts.Block]
+          tp_plan:
+            blocks.*.up: {class_path: torch.distributed.tensor.parallel.ColwiseParallel}
+            blocks.*.down: {class_path: torch.distributed.tensor.parallel.RowwiseParallel}
+model:
+  class_path: test_lightning_layouts.NanoLM
+  init_args:
+    container: list
+"""
+
+
+def _cli_case(path: str) -> dict:
+    from lightning.pytorch.cli import LightningCLI
+
+    use_existing_process_group()
+    cli = LightningCLI(args=["fit", "--config", path], save_config_callback=None, seed_everything_default=False)
+    return {n: p.detach().full_tensor() for n, p in cli.model.named_parameters()}
+
+
+def test_lightning_cli_configures_the_strategy_and_its_plan_from_yaml(tmp_path):
+    """``class_path: lightning_ndclip.NDParallelStrategy`` with a nested ``ParallelPlan`` (module classes and
+    ParallelStyles by import path) trains as the same strategy built in Python: equal to one device."""
+    pytest.importorskip("jsonargparse")
+    path = tmp_path / "config.yaml"
+    path.write_text(CLI_CONFIG)
+    reference = _reference("list")
+    for params in run_on_ranks(4, _cli_case, str(path)):
+        assert params.keys() == reference.keys()
+        for name, expected in reference.items():
+            torch.testing.assert_close(params[name], expected, rtol=1e-10, atol=1e-12, msg=name)
