@@ -14,6 +14,7 @@ from lightning_ndclip.core.context import context_parallel_attention, shard_sequ
 from lightning_ndclip.core.coverage import check_data_parallel_reduction
 from lightning_ndclip.core.experts import Experts, MoE, shard_experts
 from lightning_ndclip.core.hf import HF_STYLES, hf_tp_plan
+from lightning_ndclip.core.hf_checkpoint import save_hf_checkpoint
 from lightning_ndclip.core.loss import (
     SampleWeights,
     TokenCount,
@@ -108,6 +109,7 @@ __all__ = [
     "parallelize",
     "ring_attention",
     "sample_ids_from_lengths",
+    "save_hf_checkpoint",
     "schedule_stages",
     "shard_experts",
     "shard_sequence",

@@ -85,7 +85,7 @@ def _sharded_over_tp(param: torch.Tensor) -> bool:
     return "tp" in names and param.placements[names.index("tp")].is_shard()
 
 
-def _fit_case(family: str) -> dict:
+def _fit_case(family: str, export_to: str | None = None) -> dict:
     use_existing_process_group()
     recorder = Recorder()
     module = _FamilyModule(family)
@@ -98,6 +98,10 @@ def _fit_case(family: str) -> dict:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(module)
+    if export_to is not None:  # the trained model back as a Hugging Face checkpoint, and its logits here
+        nd.save_hf_checkpoint(module.lm, export_to, max_shard_bytes=4096)  # several shards
+        with torch.no_grad():
+            return {"logits": module.lm(input_ids=_data()[0]).logits}
     return {
         "losses": [m["train_loss"] for _, m in recorder.rows if "train_loss" in m],
         "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m],
@@ -199,3 +203,18 @@ def test_head_norms_left_whole_on_split_heads_are_refused_at_the_first_step():
     messages = run_on_ranks(4, _qwen3_without_norm_styles_case)
     assert all(m == messages[0] for m in messages), messages
     assert "differ between tensor-parallel ranks" in messages[0] and "self_attn.q_norm.weight" in messages[0]
+
+
+@pytest.mark.parametrize("family", ["Llama (tied)", "Qwen3"])
+def test_a_trained_model_exports_as_a_hugging_face_checkpoint_that_from_pretrained_loads(family, tmp_path):
+    """Trained on dp_shard=2 x tp=2, written shard by shard (no rank gathers the model), loaded on one process by
+    from_pretrained: the same logits (fp32), the tie kept."""
+    results = run_on_ranks(4, _fit_case, family, str(tmp_path))
+    _, model_class, _ = FAMILIES[family]
+    loaded = getattr(transformers, model_class).from_pretrained(tmp_path, torch_dtype=torch.float32)
+    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
+    assert (loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight) == ("tied" in family)
+    with torch.no_grad():
+        logits = loaded(input_ids=_data()[0]).logits
+    for result in results:
+        torch.testing.assert_close(result["logits"], logits, rtol=1e-5, atol=1e-6)
