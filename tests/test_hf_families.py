@@ -205,7 +205,7 @@ def test_head_norms_left_whole_on_split_heads_are_refused_at_the_first_step():
     assert "differ between tensor-parallel ranks" in messages[0] and "self_attn.q_norm.weight" in messages[0]
 
 
-@pytest.mark.parametrize("family", ["Llama (tied)", "Qwen3"])
+@pytest.mark.parametrize("family", ["Llama (tied)", "Phi3"])
 def test_a_trained_model_exports_as_a_hugging_face_checkpoint_that_from_pretrained_loads(family, tmp_path):
     """Trained on dp_shard=2 x tp=2, written shard by shard (no rank gathers the model), loaded on one process by
     from_pretrained: the same logits (fp32), the tie kept."""
