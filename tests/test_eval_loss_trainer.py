@@ -109,3 +109,43 @@ def test_logging_the_strategys_own_name_is_a_clear_error(stage, name, switch):
     same arguments, one value silently replacing the other."""
     messages = run_on_ranks(2, _collision_case, stage)
     assert messages[0] == messages[1] and f"logs {name!r}, and NDParallelStrategy" in messages[0] and switch in messages[0]
+
+
+class _SampleEvalModule(_EvalModule):
+    """Two packed samples per row (its halves); per-token losses, as sample_mean trains."""
+
+    def sample_ids(self, batch):
+        labels = batch[1]
+        rows, length = labels.shape
+        ids = torch.arange(2 * rows).repeat_interleave(length // 2).reshape(rows, length)
+        return ids, 2 * rows, labels != -100
+
+    def validation_step(self, batch, batch_idx):
+        tokens, labels = batch
+        logits = self.model(tokens).flatten(0, 1)
+        losses = nn.functional.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="none")
+        return losses.view_as(labels)
+
+
+def _sample_eval_case(dp: int) -> float:
+    use_existing_process_group()
+    strategy = NDParallelStrategy(dp_shard=dp, loss_normalization="sample_mean")
+    trainer = L.Trainer(accelerator="cpu", devices=dp, strategy=strategy, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    return float(trainer.validate(_SampleEvalModule())[0]["val_loss"])
+
+
+def test_the_eval_loss_under_sample_mean_is_the_exact_per_sample_mean():
+    tokens, labels = _token_rows().tensors
+    with torch.no_grad():
+        losses = _token_losses(TokenModel(), {"tokens": tokens, "labels": labels})
+    half = labels.shape[1] // 2
+    means = []
+    for row in range(len(labels)):
+        for part in (slice(0, half), slice(half, None)):
+            valid = labels[row, part] != -100
+            if valid.any():
+                means.append(losses[row, part][valid].mean())
+    reference = float(torch.stack(means).mean())
+    for value in run_on_ranks(2, _sample_eval_case, 2):
+        assert abs(value - reference) <= 1e-6 * reference, (value, reference)
