@@ -168,6 +168,21 @@ def loss_share(
                 f"micro-batch's sample ids {tuple(normalization.shape)}, got {tuple(loss.shape)}"
             )
         return (loss.to(wide) * normalization.to(wide)).sum().to(loss.dtype)
+    loss_sum = local_loss_sum(loss, local_tokens=local_tokens, reduction=reduction, source=source)
+    share = (loss_sum / normalization.total.clamp(min=1).to(wide)).to(loss.dtype)
+    return share if normalization.invalid is None else torch.where(normalization.invalid > 0, torch.nan, share)
+
+
+def local_loss_sum(
+    loss: torch.Tensor, *, local_tokens: torch.Tensor | None = None, reduction: str = "sum", source: str = "the loss"
+) -> torch.Tensor:
+    """The sum of this micro-batch's per-token losses read off ``loss`` (see :func:`loss_share`), in at
+    least float32: per-token losses summed, a scalar sum as it is, a scalar mean times ``local_tokens``.
+
+    Raises:
+        ValueError: naming ``source``, for a mean without ``local_tokens`` or an unknown ``reduction``.
+    """
+    wide = torch.promote_types(loss.dtype, torch.float32)
     if loss.dim() > 0:
         loss_sum = loss.sum(dtype=wide)
     elif reduction == "sum":
@@ -183,8 +198,7 @@ def loss_share(
     else:
         count = local_tokens.to(device=loss.device)
         loss_sum = torch.where(count > 0, loss.to(wide) * count.to(wide), torch.zeros((), dtype=wide, device=loss.device))
-    share = (loss_sum / normalization.total.clamp(min=1).to(wide)).to(loss.dtype)
-    return share if normalization.invalid is None else torch.where(normalization.invalid > 0, torch.nan, share)
+    return loss_sum
 
 
 def sample_ids_from_lengths(lengths: torch.Tensor) -> torch.Tensor:

@@ -126,9 +126,8 @@ class LossWindows:
         if self._strategy._loss_normalization == "token_mean":
             counts = []
             for m, batch in enumerate(window):
-                count, problem = call_hook(
-                    f"count_tokens(batch) of micro-batch {m}", partial(module.count_tokens, batch), partial(_count, device=device)
-                )
+                hook, check = partial(module.count_tokens, batch), partial(as_count, device=device)
+                count, problem = call_hook(f"count_tokens(batch) of micro-batch {m}", hook, check)
                 counts.append(torch.zeros((), dtype=torch.int64, device=device) if count is None else count)
                 problems += [problem] if problem else []
             # summed over the batch dims only: the ranks of a cp group read the same raw batch
@@ -139,7 +138,7 @@ class LossWindows:
         described = []
         for m, batch in enumerate(window):
             ids, problem = call_hook(
-                f"sample_ids(batch) of micro-batch {m}", partial(module.sample_ids, batch), partial(_sample_ids, device=device)
+                f"sample_ids(batch) of micro-batch {m}", partial(module.sample_ids, batch), partial(as_sample_ids, device=device)
             )
             described.append(ids or (torch.zeros(0, dtype=torch.int64, device=device), 0, None))
             problems += [problem] if problem else []
@@ -181,7 +180,7 @@ class LossWindows:
 _END = object()
 
 
-def _count(value: Any, device: torch.device) -> torch.Tensor:
+def as_count(value: Any, device: torch.device) -> torch.Tensor:
     """``count_tokens``' result as a count tensor on ``device``, or an error saying why it cannot be one."""
     if isinstance(value, bool) or not isinstance(value, (torch.Tensor, int, float)):
         raise TypeError(f"returned {type(value).__name__}, not the number of valid tokens (a tensor or an int)")
@@ -193,7 +192,7 @@ def _count(value: Any, device: torch.device) -> torch.Tensor:
     return count.to(device)
 
 
-def _sample_ids(value: Any, device: torch.device) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+def as_sample_ids(value: Any, device: torch.device) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """``sample_ids``' result as ``(ids, num_samples, valid or None)`` on ``device``, or an error."""
     if not isinstance(value, (tuple, list)) or len(value) not in (2, 3):
         raise TypeError(f"returned {type(value).__name__}, not (ids, num_samples[, valid])")

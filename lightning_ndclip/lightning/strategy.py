@@ -44,9 +44,9 @@ from lightning_ndclip.core._checkpoint import (
     refuse_incomplete_checkpoint,
     save_distributed_checkpoint_atomically,
 )
-from lightning_ndclip.core.agree import run_agreed
+from lightning_ndclip.core.agree import call_hook, run_agreed
 from lightning_ndclip.core.coverage import check_data_parallel_reduction
-from lightning_ndclip.core.loss import loss_share, sync_sample_weights
+from lightning_ndclip.core.loss import local_loss_sum, loss_share, sync_sample_weights
 from lightning_ndclip.core.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError
 from lightning_ndclip.core.parallelism import ParallelPlan
 from lightning_ndclip.core.pipeline import PipelineOptions
@@ -55,7 +55,7 @@ from lightning_ndclip.core.replicas import broadcast_replicas_, check_replica_gr
 from lightning_ndclip.core.summary import ParallelSummary, summarize
 from lightning_ndclip.core.tensor_parallel import check_ties, tied_parameters
 from lightning_ndclip.lightning._pipeline import PipelineRunner
-from lightning_ndclip.lightning._windows import LossWindows
+from lightning_ndclip.lightning._windows import LossWindows, as_count, as_sample_ids
 from lightning_ndclip.lightning.metrics import GlobalMeanLoss
 
 __all__ = ["NDParallelStrategy"]
@@ -681,27 +681,21 @@ class NDParallelStrategy(ModelParallelStrategy):
     def _weighted(self, hook: str, loss: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sum of this rank's weighted losses, its weight)`` for the epoch's exact global mean."""
         module: Any = self._module
-        wide = torch.promote_types(loss.dtype, torch.float32)
-        cp = self.meshes["cp"]
-        if self._loss_normalization == "sample_mean":
-            ids, num_samples, *valid = module.sample_ids(batch)
+        cp, device = self.meshes["cp"], self.root_device
+        if self._loss_normalization == "sample_mean":  # the hook's failure rides in the weights' all-reduces
+            hook_call, check = partial(module.sample_ids, batch), partial(as_sample_ids, device=device)
+            described, problem = call_hook("sample_ids(batch)", hook_call, check)
+            ids, num_samples, valid = described or (torch.zeros(0, dtype=torch.int64, device=device), 0, None)
             weights = sync_sample_weights(
-                [torch.as_tensor(ids)], [int(num_samples)], [torch.as_tensor(v) for v in valid] or None,
-                cp_group=cp.get_group(), dp_group=self.meshes["dp"].get_group(),
+                [ids], [num_samples], None if valid is None else [valid],
+                cp_group=cp.get_group(), dp_group=self.meshes["dp"].get_group(), problem=problem,
             )  # fmt: skip
-            w = weights.weights[0]
-            value = torch.where(w > 0, w * loss.to(wide), 0).sum() * weights.num_samples
-            return value, weights.local_samples
-        count = torch.as_tensor(module.count_tokens(batch)).to(loss.device)
-        if loss.ndim > 0:  # per-token losses of this rank's tokens (of its sequence shard under cp)
-            value = loss.to(wide).sum()
-        elif cp.size() > 1:
-            raise ValueError(
-                f"with cp > 1 and loss_normalization='token_mean', {hook} must return the per-token losses of its "
-                "sequence shard to be weighted exactly (count_tokens counts the raw batch)"
-            )
-        else:
-            value = loss.to(wide) if self._loss_reduction == "sum" else torch.where(count > 0, loss.to(wide) * count, 0)
+            # the sum over this rank's samples of their token means: the share of the batch's mean, times B
+            return loss_share(loss, weights.weights[0], source=hook) * weights.num_samples, weights.local_samples
+        count = as_count(module.count_tokens(batch), device)
+        # count_tokens counts the raw batch: under cp a mean over this rank's shard cannot be weighted by it
+        local = None if cp.size() > 1 else count
+        value = local_loss_sum(loss, local_tokens=local, reduction=self._loss_reduction, source=hook)
         return value, count if cp.get_local_rank() == 0 else torch.zeros_like(count)
 
     def _optimizer_options(self) -> StateDictOptions:
