@@ -1,4 +1,4 @@
-"""Every private (``_``-prefixed) Lightning and PyTorch name the package uses, in one place.
+"""Every private (``_``-prefixed) Lightning, PyTorch and ``transformers`` name the package uses, in one place.
 
 Each entry says why no public API serves. :data:`PRIVATE_NAMES` maps every entry to the private
 names it relies on; ``tests/test_compat.py`` checks that each of them exists in the installed
@@ -59,6 +59,7 @@ __all__ = [
     "unsafe_view",
     "unflatten_mesh",
     "view_base",
+    "initialize_buffers",
 ]
 
 PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
@@ -80,6 +81,11 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "root_mesh": ("torch.distributed.device_mesh:DeviceMesh._get_root_mesh",),
     "all_to_all_autograd": ("torch.distributed._functional_collectives:all_to_all_single_autograd",),
     "applies_grad_scale": ("torch.optim:Adam._step_supports_amp_scaling",),
+    "initialize_buffers": (
+        "torch.nn:Module._parameters",
+        "torch.nn:Module._buffers",
+        "transformers:PreTrainedModel._init_weights",
+    ),
     # Lightning
     "materialize_distributed_module": ("lightning.fabric.utilities.init:_materialize_distributed_module",),
     "optimizers_to_device": ("lightning.fabric.utilities.optimizer:_optimizers_to_device",),
@@ -130,6 +136,24 @@ unsafe_view: Callable[[torch.Tensor, Sequence[int]], torch.Tensor] = torch.ops.a
 """A reshape that autograd does not record as a view (reason: how ``torch.matmul`` returns its 3-D
 result; a ``Linear`` with a bias returns a view of its 2-D ``addmm`` result instead, which FSDP2
 warns about for a unit's output, and no public op turns a view into a tensor without copying)."""
+
+def initialize_buffers(model: Any, module: torch.nn.Module) -> None:
+    """Run a ``transformers`` model's own initialization of ``module`` (one of its submodules) for the
+    module's buffers only: on a shallow copy that shares its buffers and holds meta tensors for its
+    parameters, so its weights, which may be sharded, are never written (reasons: ``_init_weights``
+    is the one per-module initialization ``transformers`` has, its public ``initialize_weights``
+    writes every weight; ``copy.copy`` would share the parameter dict, and no public API replaces
+    a parameter without mutating the module)."""
+    stand_in = torch.nn.Module.__new__(type(module))
+    stand_in.__dict__.update(module.__dict__)
+    stand_in._parameters = {
+        name: None if p is None else torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+        for name, p in module._parameters.items()
+    }
+    stand_in._buffers = dict(module._buffers)
+    with torch.no_grad():
+        model._init_weights(stand_in)
+
 
 foreach_norm = torch._foreach_norm
 """Per-tensor norms in one multi-tensor kernel (reason: no public foreach API; the kernel

@@ -72,7 +72,8 @@ HF_STYLES: dict[str, tuple[Callable[[], ParallelStyle], tuple[type[nn.Module], .
 _INSTALL = "pip install 'lightning_ndclip[hf]'"
 
 
-def _outermost_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
+def transformers_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost ``transformers`` models inside ``module`` (itself included), with their names."""
     try:
         from transformers import PreTrainedModel
     except ModuleNotFoundError:
@@ -98,7 +99,7 @@ def hf_tp_plan(module: nn.Module) -> dict[str, ParallelStyle]:
             matches no module (each naming the entry).
     """
     plan: dict[str, ParallelStyle] = {}
-    models = _outermost_models(module)
+    models = transformers_models(module)
     for prefix, model in models:
         names = {name: child for name, child in model.named_modules() if name}
         for key, style in dict(getattr(model, "tp_plan", None) or {}).items():

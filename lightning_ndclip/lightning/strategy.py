@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import inspect
 import math
+import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -46,6 +47,8 @@ from lightning_ndclip.core._checkpoint import (
 )
 from lightning_ndclip.core.agree import call_hook, run_agreed
 from lightning_ndclip.core.coverage import check_data_parallel_reduction
+from lightning_ndclip.core.hf import transformers_models
+from lightning_ndclip.core.hf_checkpoint import load_hf_checkpoint
 from lightning_ndclip.core.loss import local_loss_sum, loss_share, sync_sample_weights
 from lightning_ndclip.core.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError
 from lightning_ndclip.core.parallelism import ParallelPlan
@@ -169,6 +172,11 @@ class NDParallelStrategy(ModelParallelStrategy):
         summary: when training starts, print on rank zero what was parallelized how
             (:func:`~lightning_ndclip.core.summary.summarize`) and what the first step counts.
         save_distributed_checkpoint: one shard per rank (``True``), or a full checkpoint on rank 0.
+        hf_checkpoint: a Hugging Face checkpoint directory (``*.safetensors``) to load into the
+            LightningModule's ``transformers`` model once it is parallelized, each rank reading only its
+            shards (:func:`~lightning_ndclip.core.hf_checkpoint.load_hf_checkpoint`). Build the model on
+            the meta device (``with torch.device("meta")``, or ``Trainer.init_module(empty_init=True)``)
+            and no rank ever holds all of it.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: from the accelerator.
         timeout: process-group timeout.
 
@@ -199,6 +207,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         init_sync: bool = True,
         summary: bool = True,
         save_distributed_checkpoint: bool = True,
+        hf_checkpoint: str | os.PathLike[str] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         **unexpected: Any,
@@ -263,6 +272,19 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._meshes: ParallelMeshes | None = None
         self._ties: list[tuple[str, ...]] = []
         self._replica_gradients_checked = False
+        self._hf_checkpoint = hf_checkpoint
+
+    def _transformers_model(self, module: pl.LightningModule) -> nn.Module:
+        """The one ``transformers`` model in ``module`` that ``hf_checkpoint`` is loaded into."""
+        found = transformers_models(module)
+        if len(found) != 1:
+            names = [f"{name or '(the module)'}: {type(m).__name__}" for name, m in found]
+            raise ValueError(
+                f"NDParallelStrategy(hf_checkpoint=...) loads into the one transformers model of the LightningModule; "
+                f"{type(module).__name__} holds {len(found)} ({names}). Call "
+                "lightning_ndclip.load_hf_checkpoint(model, directory) for each in on_fit_start instead"
+            )
+        return found[0][1]
 
     @property
     def is_distributed(self) -> bool:
@@ -461,13 +483,15 @@ class NDParallelStrategy(ModelParallelStrategy):
                 "in the LightningModule and apply parallelization there, or to give the strategy a declarative "
                 "plan (plan=ParallelPlan(fsdp_units=..., tp_plan=...))."
             )
-        check_ties(module, self._ties)
         if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
             raise TypeError(
                 "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel`."
                 f" The `{type(self).__name__}` only supports the new FSDP2 APIs in PyTorch >= 2.4."
             )
+        if self._hf_checkpoint is not None:
+            load_hf_checkpoint(self._transformers_model(module), self._hf_checkpoint, device=self.root_device)
         _compat.materialize_distributed_module(model, self.root_device)
+        check_ties(module, self._ties)
         self.model = self.precision_plugin.convert_module(model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:  # exact mode: a parameter nothing reduces is an error

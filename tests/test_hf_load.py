@@ -1,0 +1,199 @@
+"""Loading a Hugging Face checkpoint into a model built on the meta device and parallelized
+(``load_hf_checkpoint``, ``NDParallelStrategy(hf_checkpoint=...)``), against ``save_pretrained``'s own
+model on one process: every weight equal bit for bit, the logits equal, ties kept, the buffers a
+checkpoint does not store recomputed; and a checkpoint that does not fit refused, naming the tensors."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from harness import run_on_ranks
+from helpers import use_existing_process_group
+from hf_families import FAMILIES, tiny_causal_lm
+from torch import nn
+
+import lightning_ndclip as nd
+
+transformers = pytest.importorskip("transformers")
+
+DENSE = [family for family in FAMILIES if family not in ("Mixtral", "Qwen3-MoE")]
+TOKENS = torch.randint(3, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _on_meta(reference: nn.Module) -> nn.Module:
+    """The reference's class and config, built on the meta device as a big model must be."""
+    with torch.device("meta"):
+        model = type(reference)(reference.config)
+    model.tie_weights()  # transformers 5.0 skips it on the meta device; later releases tie already
+    return model
+
+
+def _saved(family: str, directory, max_shard_size: str = "5GB") -> nn.Module:
+    reference = tiny_causal_lm(family)
+    reference.save_pretrained(directory, max_shard_size=max_shard_size)
+    return reference
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_a_model_built_on_meta_loads_to_the_same_model(family, tmp_path):
+    reference = _saved(family, tmp_path)
+    model = _on_meta(reference)
+    nd.load_hf_checkpoint(model, tmp_path)
+    assert dict(model.state_dict()).keys() == dict(reference.state_dict()).keys()
+    for name, value in reference.state_dict().items():  # parameters and buffers, bit for bit
+        assert torch.equal(model.state_dict()[name], value), name
+    assert nd.tied_parameters(model) == nd.tied_parameters(reference)
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS).logits, reference(TOKENS).logits)
+
+
+def test_to_empty_alone_leaves_the_rotary_frequencies_unset(tmp_path):
+    """What the loader guards against: moved off meta and given the weights, the model still differs (its
+    ``inv_freq`` is never stored), and the tie is broken."""
+    reference = _saved("Llama (tied)", tmp_path)
+    model = _on_meta(reference)
+    model.to_empty(device="cpu")
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    model.load_state_dict(reference.state_dict(), strict=False)
+    assert not torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+
+
+def test_a_checkpoint_that_transformers_converts_is_refused_naming_the_tensors(tmp_path):
+    reference = _saved("Mixtral", tmp_path)  # per-expert tensors on disk, packed experts in the model
+    with pytest.raises(ValueError, match=r"transformers converts \[.*experts\.0\..*\].* when loading"):
+        nd.load_hf_checkpoint(_on_meta(reference), tmp_path)
+
+
+def test_a_missing_a_surplus_or_a_misshapen_tensor_is_refused_before_reading(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    reference = _saved("Llama", tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    norm = "model.norm.weight"
+    for change, expected in [
+        (lambda s: s.pop(norm), rf"missing from the checkpoint: \['{norm}'\]"),
+        (lambda s: s.update(extra=torch.zeros(2)), r"in the checkpoint, not in LlamaForCausalLM: \['extra'\]"),
+        (lambda s: s.update({norm: torch.ones(3)}), rf"shapes differ: \['{norm}: checkpoint \(3,\), model \(16,\)'\]"),
+    ]:
+        edited = dict(stored)
+        change(edited)
+        save_file(edited, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        model = _on_meta(reference)
+        with pytest.raises(ValueError, match=expected):
+            nd.load_hf_checkpoint(model, tmp_path)
+        assert all(p.is_meta for p in model.parameters()), "refused before anything is allocated"
+
+
+def test_a_declared_tie_held_as_two_parameters_is_refused(tmp_path):
+    reference = _saved("Llama (tied)", tmp_path)
+    model = _on_meta(reference)
+    model.lm_head.weight = nn.Parameter(torch.empty_like(model.lm_head.weight))  # as 5.0 builds it on meta
+    with pytest.raises(ValueError, match=r"declares \['lm_head.weight = model.embed_tokens.weight'\] tied"):
+        nd.load_hf_checkpoint(model, tmp_path)
+
+
+class _Cache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2))
+        self.register_buffer("scale", torch.full((2,), 3.0), persistent=False)
+
+
+def test_a_buffer_no_initialization_recomputes_is_an_error_not_garbage(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.ones(2)}, tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        module = _Cache()
+    with pytest.raises(ValueError, match=r"does not store the buffers \['scale'\]"):
+        nd.load_hf_checkpoint(module, tmp_path, device="cpu")
+    module = _Cache()  # built off meta, its buffer is kept as computed... only by its owner's init: refused too
+    with pytest.raises(ValueError, match=r"does not store the buffers \['scale'\]"):
+        nd.load_hf_checkpoint(module, tmp_path)
+
+
+# --- on 4 ranks: dp_shard=2 x tp=2 --------------------------------------------------------------------------------
+
+
+def _parallel_load_case(family: str, directory: str) -> dict:
+    reference = tiny_causal_lm(family)
+    model = _on_meta(reference)
+    dims = nd.ParallelDims(world_size=4, dp_shard=2, tp=2)
+    units = [type(m) for m in model.modules() if type(m).__name__ in model._no_split_modules][:1]
+    nd.parallelize(model, dims.build_mesh("cpu"), tp_plan="auto", fsdp_units=units)
+    nd.load_hf_checkpoint(model, directory)
+    with torch.no_grad():
+        logits = model(TOKENS).logits
+    return {
+        "logits": logits.full_tensor() if isinstance(logits, torch.distributed.tensor.DTensor) else logits,
+        "state": {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in model.state_dict().items()},
+        "ties": nd.tied_parameters(model),
+        "sharded": sum(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters()),
+    }
+
+
+@pytest.mark.parametrize("family", ["Llama (tied)", "Phi3"])
+def test_a_parallelized_model_loads_each_shard_from_a_sharded_checkpoint(family, tmp_path):
+    reference = _saved(family, tmp_path, max_shard_size="2KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1, "several files"
+    results = run_on_ranks(4, _parallel_load_case, family, str(tmp_path))
+    for result in results:
+        assert result["sharded"] == len(list(reference.parameters()))
+        assert result["ties"] == nd.tied_parameters(reference)
+        for name, value in reference.state_dict().items():
+            assert torch.equal(result["state"][name], value), name
+        with torch.no_grad():
+            torch.testing.assert_close(result["logits"], reference(TOKENS).logits, rtol=1e-5, atol=1e-6)
+
+
+class _MetaLM(L.LightningModule):
+    def __init__(self, config) -> None:
+        super().__init__()
+        with torch.device("meta"):
+            self.lm = transformers.LlamaForCausalLM(config)
+        self.lm.tie_weights()
+
+    def count_tokens(self, batch) -> torch.Tensor:
+        return torch.tensor(batch[0].numel())
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        logits = self.lm(input_ids=tokens[:, :-1]).logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(TOKENS.repeat(2, 1)), batch_size=1)
+
+
+def _strategy_case(directory: str) -> dict:
+    use_existing_process_group()
+    config = transformers.AutoConfig.from_pretrained(directory)
+    module = _MetaLM(config)
+    plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=[type(module.lm.model.layers[0])])
+    strategy = nd.NDParallelStrategy(dp_shard=2, tp=2, plan=plan, loss_normalization="token_mean", summary=False,
+                                     hf_checkpoint=directory)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module)
+    return {n: p.detach().full_tensor() for n, p in module.lm.named_parameters()}
+
+
+def test_the_strategy_loads_the_checkpoint_into_the_parallelized_model(tmp_path):
+    """One SGD step from the loaded weights equals one step of the ``save_pretrained`` model on one process."""
+    reference = _saved("Llama (tied)", tmp_path)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    tokens = TOKENS
+    logits = reference(input_ids=tokens[:, :-1]).logits
+    nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+    trained = run_on_ranks(4, _strategy_case, str(tmp_path))[0]
+    expected = dict(reference.named_parameters())
+    assert trained.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value.detach(), rtol=1e-5, atol=1e-6, msg=name)
