@@ -275,3 +275,38 @@ def _disabled_scaler() -> dict:
 def test_a_disabled_grad_scaler_leaves_the_skip_to_the_callback():
     (result,) = run_on_ranks(1, _disabled_scaler)
     assert result == {"skipped": 1, "finite": True}
+
+
+class _SkippingModule(_ScaledModule):
+    """``training_step`` returns ``None`` on the last micro-batch of the first accumulation window."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx == 1 else super().training_step(batch, batch_idx)
+
+
+def _fit_skipping_a_window(fused: bool) -> dict:
+    use_existing_process_group()
+    recorder, module, clip = Recorder(), _SkippingModule(fused), GlobalNormClip(MAX_NORM)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], max_epochs=1,
+        accumulate_grad_batches=2, logger=recorder, log_every_n_steps=1, callbacks=[clip],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module)
+    norms = [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m]
+    return {"norms": norms, "seen": clip.seen_steps, "params": [p.detach().clone() for p in module.parameters()]}
+
+
+def test_a_window_ending_in_none_under_a_grad_scaler_is_left_alone():
+    """Under a GradScaler, Lightning neither unscales nor steps when the window's last training_step returns
+    None. The callback used to unscale a fused optimizer there anyway, and the next step failed with torch's
+    "unscale_() has already been called on this optimizer since the last update()". It now does nothing for such
+    a step: fused and for-loop optimizers see the same norms and make the same steps."""
+    (fused,), (plain,) = run_on_ranks(1, _fit_skipping_a_window, True), run_on_ranks(1, _fit_skipping_a_window, False)
+    windows = math.ceil(len(_data()) / LOCAL_BATCH / 2)
+    assert fused["seen"] == plain["seen"] == windows - 1  # every window but the skipped one
+    assert len(fused["norms"]) == windows - 1 and all(math.isfinite(n) for n in fused["norms"])
+    assert fused["norms"] == pytest.approx(plain["norms"], rel=1e-6)
+    for a, b in zip(fused["params"], plain["params"]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -78,7 +78,9 @@ class GlobalNormClip(Callback):
     those the callback calls ``scaler.unscale_(optimizer)`` itself, so the norm is always that of
     the true gradients. A non-finite norm there is the scaler's overflow, routine while it finds its
     scale: the scaler skips the step and lowers the scale, and the callback only counts the step in
-    ``skipped_steps``, whatever ``nonfinite`` says (no warning, no error).
+    ``skipped_steps``, whatever ``nonfinite`` says (no warning, no error). When the last
+    ``training_step`` of an accumulation window returns ``None``, Lightning takes no step under a
+    ``GradScaler`` (it neither unscales nor steps), and the callback leaves that step alone too.
 
     The callback keeps its own :class:`lightning_ndclip.NormPlans` (the plan of each gradient layout)
     for as long as it lives.
@@ -145,6 +147,7 @@ class GlobalNormClip(Callback):
         # per optimizer: the handle of the step post-hook that removes the grad_scale _fold set
         self._unfold_hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, RemovableHandle] = weakref.WeakKeyDictionary()
         self._folded: set[int] = set()  # ids of the optimizers whose grad_scale the callback set
+        self._backward_ran = True  # whether the current batch's training_step ran a backward
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -175,6 +178,14 @@ class GlobalNormClip(Callback):
                     "grad_scale in their step; use torch.optim's Adam, AdamW, SGD or Adagrad with fused=True, "
                     "or fold_into_optimizer=None (fold where possible) or False"
                 )
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._backward_ran = False
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._backward_ran = True
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -219,6 +230,8 @@ class GlobalNormClip(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and not scaler.is_enabled():  # a disabled scaler neither unscales nor skips
             scaler = None
+        if scaler is not None and pl_module.automatic_optimization and not self._backward_ran:
+            return  # training_step returned None: under a GradScaler, Lightning then neither unscales nor steps
         if scaler is not None and _compat.applies_grad_scale(optimizer) and any(p.grad is not None for p in params):
             scaler.unscale_(optimizer)  # Lightning leaves these scaled (their step unscales); the norm needs them true
         named = self._named(pl_module, params)
