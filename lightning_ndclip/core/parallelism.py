@@ -11,15 +11,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_ndclip import _compat
 from lightning_ndclip._compat import checkpoint_wrapper
 from lightning_ndclip.core.mesh import ParallelMeshes
-from lightning_ndclip.core.tensor_parallel import tensor_parallelize
+from lightning_ndclip.core.tensor_parallel import output_not_a_view, tensor_parallelize
 
 __all__ = ["ParallelPlan", "parallelize"]
 
@@ -105,7 +103,7 @@ def parallelize(
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **fsdp_kwargs)
     for root in _callable_units([module] if root_units is None else root_units):
         if isinstance(root, nn.Linear):  # e.g. a LightningModule's head, a unit of its own
-            root.register_forward_hook(_output_not_a_view)
+            root.register_forward_hook(output_not_a_view)
         fully_shard(root, **fsdp_kwargs)
     return module
 
@@ -128,14 +126,6 @@ def _callable_units(roots: Sequence[nn.Module]) -> list[nn.Module]:
         else:
             units.append(root)
     return units
-
-
-def _output_not_a_view(module: nn.Module, inputs: Any, output: Any) -> Any:
-    """A ``Linear``'s output on 3+-D input is a view of its fresh 2-D result: the same tensor, not
-    recorded as a view, so FSDP2's backward hook on it cannot be lost to an in-place op (nor warned of)."""
-    if type(output) is torch.Tensor and _compat.view_base(output) is not None:
-        return _compat.unsafe_view(output, output.shape)
-    return output
 
 
 @dataclass(frozen=True)

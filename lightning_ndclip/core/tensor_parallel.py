@@ -12,6 +12,10 @@ two parameters with two gradients: a different model, trained without a warning.
   group is made one ``Parameter`` again, which is exact when all copies have the same layout (both
   sides of a tied ``[vocab, hidden]`` weight ``Shard(0)``: a colwise head and a vocab-split
   embedding). Copies with different layouts are a ``ValueError`` naming the modules;
+- a module the plan parallelizes returns its output as a plain tensor where its style says so
+  (``use_local_output``), which DTensor makes a view of the result's local shard: that view is
+  made a tensor of its own (:func:`output_not_a_view`), so that FSDP2 does not warn of a view when
+  it is a unit's output (a transformers LM head's logits);
 - :func:`check_ties` verifies, after any parallelization (a ``configure_model`` hook included), that
   every tie is still one parameter, raising the same error on every rank otherwise.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +32,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from lightning_ndclip import _compat
 
 __all__ = ["check_ties", "tensor_parallelize", "tied_parameters"]
 
@@ -145,12 +152,28 @@ def tensor_parallelize(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str
             f"it, e.g. {names[:3]}; '*' matches one name part)"
         )
     ties = tied_parameters(module)
-    parallelize_module(module, tp_mesh, _with_tied_partners(module, plan, ties))
+    completed = _with_tied_partners(module, plan, ties)
+    parallelize_module(module, tp_mesh, completed)
     _retie(module, ties)
+    for name, child in module.named_modules():
+        style = _style_of(completed, name) if name else None
+        if style is not None and getattr(style, "use_local_output", False):
+            child.register_forward_hook(output_not_a_view)
     for param in module.parameters():
         if isinstance(param, DTensor) and any(p.is_replicate() for p in param.placements):
             param.register_post_accumulate_grad_hook(_sum_partial_gradient)
     return module
+
+
+def output_not_a_view(module: nn.Module, inputs: Any, output: Any) -> Any:
+    """A forward hook giving ``output``, when it is a view, as the same tensor not recorded as one, for
+    the two views whose base nothing saves for backward: an ``nn.Linear``'s output on 3+-D input (a
+    view of its fresh 2-D result) and a tensor-parallel style's local output (a view of the result
+    DTensor's local shard, outside autograd). So FSDP2's backward hook on a unit's output cannot be
+    lost to an in-place op on it, and FSDP2 does not warn that it could."""
+    if type(output) is torch.Tensor and _compat.view_base(output) is not None:
+        return _compat.unsafe_view(output, output.shape)
+    return output
 
 
 def _sum_partial_gradient(param: torch.Tensor) -> None:
