@@ -95,12 +95,14 @@ def host_sync_check() -> str:
     params = [torch.nn.Parameter(torch.randn(64, 64, device="cuda")) for _ in range(8)]
     for p in params:
         p.grad = torch.randn_like(p)
-    nd.clip_grad_norm_(params, 1.0)  # the first call builds and caches the plan
+    named = [(f"p{i}", p) for i, p in enumerate(params)]
+    nd.clip_grad_norm_(params, 1.0)  # the first calls build and cache the plans and their index tensors
+    nd.grad_norms(named, per_tensor=True).clip_(1.0)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         nd.clip_grad_norm_(params, 1.0)
-        nd.grad_norms(params, per_tensor=True).clip_(1.0)
+        nd.grad_norms(named, per_tensor=True).clip_(1.0)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return "no host sync in clip_grad_norm_ / grad_norms(per_tensor=True).clip_"

@@ -64,11 +64,15 @@ class GradNorms:
             a tied parameter once), a 1-D device tensor aligned with ``names``; ``None`` unless
             requested.
         names: the names of the entries of ``per_tensor``.
+        finite: whether ``total`` is finite, where the call read that on the host (to redo an
+            overflowed float32 sum in float64: ``retry_overflow``), so that a caller needs no second
+            read; ``None`` where it read nothing.
     """
 
     total: torch.Tensor
     per_tensor: torch.Tensor | None
     names: tuple[str, ...]
+    finite: bool | None = None
     _to_scale: tuple[torch.Tensor, ...] = field(default=(), repr=False, compare=False)
 
     def clip_coef(self, max_norm: float) -> torch.Tensor:
@@ -445,12 +449,16 @@ def _global_norm(
     total, per_slot, plan, to_scale = result
     if retry_overflow is None:
         retry_overflow = error_if_nonfinite or total.device.type == "cpu"
-    if retry_overflow and not is_inf and total.dtype != torch.float64 and not bool(torch.isfinite(total)):
-        total64, per_slot64, _, _ = norm_with(torch.float64)
-        total, per_slot = total64.to(total.dtype), None if per_slot64 is None else per_slot64.to(total.dtype)
+    finite = None
+    if retry_overflow and not is_inf and total.dtype != torch.float64:
+        finite = bool(torch.isfinite(total))  # the step's one host read
+        if not finite:
+            total64, per_slot64, _, _ = norm_with(torch.float64)
+            total, per_slot = total64.to(total.dtype), None if per_slot64 is None else per_slot64.to(total.dtype)
+            finite = bool(torch.isfinite(total))
     if error_if_nonfinite:
         _raise_if_nonfinite(total, norm_type)
-    return GradNorms(total=total, per_tensor=per_slot, names=plan.slot_names, _to_scale=tuple(to_scale))
+    return GradNorms(total=total, per_tensor=per_slot, names=plan.slot_names, finite=finite, _to_scale=tuple(to_scale))
 
 
 def _norm_with(

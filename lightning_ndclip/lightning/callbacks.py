@@ -256,7 +256,7 @@ class GlobalNormClip(Callback):
         total = norms.total
         coef = norms.clip_coef(self.max_norm)
         fold = self._can_fold(optimizer, total)
-        if self.nonfinite != "clip" and not bool(torch.isfinite(total)):
+        if self.nonfinite != "clip" and not (norms.finite if norms.finite is not None else bool(torch.isfinite(total))):
             if scaler is not None:  # the scaler's overflow: it skips the step and lowers its scale itself
                 self.skipped_steps += 1
             elif self.nonfinite == "raise":
