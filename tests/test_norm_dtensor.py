@@ -429,7 +429,9 @@ def _huge_case(dtype):
         "clip": float(nd.clip_grad_norm_([p for _, p in named], 1e30)),
         "per_tensor": [float(v) for v in norms.per_tensor],
         "grad_norms_total": float(norms.total),
+        "finite": norms.finite,  # read once, after the float64 retry
         "no_retry": float(nd.get_total_norm(grads, retry_overflow=False)),
+        "not_read": nd.grad_norms(named, retry_overflow=False).finite,
     }
 
 
@@ -445,6 +447,7 @@ def test_finite_gradients_whose_squares_overflow_float32_give_the_exact_norm(dty
         for got, f in zip(r["per_tensor"], full):
             assert_close(torch.tensor(got, dtype=torch.float64), reference_norm([f], 2.0), rtol=1e-6)
         assert math.isinf(r["no_retry"])
+        assert r["finite"] is True and r["not_read"] is None
 
 
 def _cycling_layouts_case(max_capacity):
