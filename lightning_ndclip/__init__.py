@@ -12,6 +12,7 @@ from lightning_ndclip.core._norm_plan import NormPlanError
 from lightning_ndclip.core.agree import AgreedError
 from lightning_ndclip.core.context import context_parallel_attention, shard_sequence
 from lightning_ndclip.core.coverage import check_data_parallel_reduction
+from lightning_ndclip.core.expert_tensor_parallel import PackedExpertsParallel
 from lightning_ndclip.core.experts import Experts, MoE, shard_experts
 from lightning_ndclip.core.hf import HF_STYLES, hf_tp_plan
 from lightning_ndclip.core.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
@@ -87,6 +88,7 @@ __all__ = [
     "NormPlans",
     "ParallelDims",
     "ParallelMeshes",
+    "PackedExpertsParallel",
     "ParallelPlan",
     "ParallelSummary",
     "PipelineOptions",

@@ -23,6 +23,7 @@ from torch.distributed import _functional_collectives
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as _checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._foreach_utils import _device_has_foreach_support
 from torch.utils._pytree import tree_leaves as _tree_leaves
@@ -60,6 +61,7 @@ __all__ = [
     "unflatten_mesh",
     "view_base",
     "initialize_buffers",
+    "ModuleStyle",
 ]
 
 PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
@@ -81,6 +83,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "root_mesh": ("torch.distributed.device_mesh:DeviceMesh._get_root_mesh",),
     "all_to_all_autograd": ("torch.distributed._functional_collectives:all_to_all_single_autograd",),
     "applies_grad_scale": ("torch.optim:Adam._step_supports_amp_scaling",),
+    "ModuleStyle": ("torch.distributed.tensor.parallel:ParallelStyle._apply",),
     "initialize_buffers": (
         "torch.nn:Module._parameters",
         "torch.nn:Module._buffers",
@@ -136,6 +139,18 @@ unsafe_view: Callable[[torch.Tensor, Sequence[int]], torch.Tensor] = torch.ops.a
 """A reshape that autograd does not record as a view (reason: how ``torch.matmul`` returns its 3-D
 result; a ``Linear`` with a bias returns a view of its 2-D ``addmm`` result instead, which FSDP2
 warns about for a unit's output, and no public op turns a view into a tensor without copying)."""
+
+class ModuleStyle(ParallelStyle):
+    """A ``ParallelStyle`` whose subclasses define the public :meth:`apply` (reason: the one method a
+    style must define, which ``parallelize_module`` calls, is the private ``_apply``; a style of our
+    own, for a module PyTorch's styles do not cover, has to provide it)."""
+
+    def apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        return self.apply(module, device_mesh)
+
 
 def initialize_buffers(model: Any, module: torch.nn.Module) -> None:
     """Run a ``transformers`` model's own initialization of ``module`` (one of its submodules) for the

@@ -20,11 +20,16 @@ Only the styles plain PyTorch expresses are mapped, each to the layouts ``transf
 ``replicated_with_grad_allreduce``         ``SequenceParallel(sequence_dim=-2)`` on the heads tp splits:
                                            weights replicated, gradient summed over tp (Qwen3 / Gemma3
                                            ``q_norm`` / ``k_norm``)
+``moe_tp_experts`` (with ``packed_colwise`` :class:`~lightning_ndclip.core.expert_tensor_parallel.PackedExpertsParallel`:
+and ``rowwise`` on its two weights)        every expert split along its intermediate width (Mixtral,
+                                           Qwen3-MoE)
 ========================================= ====================================================
 
-Any other style (``packed_colwise``, ``sequence_parallel``, the MoE styles, ...) is a ``ValueError``
-naming it and the module, as is a mapped style on a module PyTorch's
-style cannot shard (not an ``nn.Linear`` / ``nn.Embedding``): never a silently different function.
+An entry for modules the model does not have (the dense MLP of a model whose layers are all sparse)
+is skipped. Any other style (``sequence_parallel``, ``ep_router``, ...) is a ``ValueError`` naming
+it and the entry, as is a mapped style on a module PyTorch's style cannot shard (not an
+``nn.Linear`` / ``nn.Embedding``) and a weight-level entry outside a ``moe_tp_experts`` module:
+never a silently different function.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
+from lightning_ndclip.core.expert_tensor_parallel import PackedExpertsParallel
 from lightning_ndclip.core.tensor_parallel import matches_plan_key
 
 __all__ = ["HF_STYLES", "hf_tp_plan"]
@@ -66,8 +72,12 @@ HF_STYLES: dict[str, tuple[Callable[[], ParallelStyle], tuple[type[nn.Module], .
     "embedding_rowwise": (_replicated_rowwise, (nn.Embedding,)),
     "embedding_colwise": (_gathered_colwise, (nn.Embedding,)),
     "replicated_with_grad_allreduce": (_replicated_on_split_heads, (nn.Module,)),
+    "moe_tp_experts": (PackedExpertsParallel, (nn.Module,)),
 }
 """``transformers`` style -> (a PyTorch style for it, the module classes it applies to)."""
+
+_EXPERT_WEIGHTS = {"packed_colwise": "gate_up", "rowwise": "down"}
+"""The styles ``transformers`` gives the two weights of a ``moe_tp_experts`` module, and which they are."""
 
 _INSTALL = "pip install 'lightning_ndclip[hf]'"
 
@@ -88,6 +98,45 @@ def transformers_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def _style_for(model: nn.Module, key: str, style: str, entries: dict[str, str]) -> ParallelStyle | None:
+    """The PyTorch style for one plan entry; ``None`` for an entry that needs none (it matches nothing
+    in this model, or is a weight of a ``moe_tp_experts`` module, which that module's style splits)."""
+    where = f"{type(model).__name__}.tp_plan[{key!r}] = {style!r}"
+    modules = {name: child for name, child in model.named_modules() if name and matches_plan_key(name, key)}
+    weights = [name for name, _ in model.named_parameters() if matches_plan_key(name, key)]
+    if not modules and weights:  # an entry for weights, not modules
+        holder = key.rpartition(".")[0]
+        if style not in _EXPERT_WEIGHTS or entries.get(holder) != "moe_tp_experts":
+            raise ValueError(
+                f"{where} names weights ({weights[:3]}), which no plain PyTorch style shards one by one "
+                f"(mapped: {_EXPERT_WEIGHTS} of a 'moe_tp_experts' module); give this model a tp_plan of "
+                "ParallelStyles instead"
+            )
+        return None
+    if style not in HF_STYLES:
+        raise ValueError(
+            f"{where}: no plain PyTorch ParallelStyle expresses {style!r} (mapped: {sorted(HF_STYLES)}); "
+            "give this model a tp_plan of ParallelStyles instead"
+        )
+    if not modules:
+        return None  # layers this configuration does not have
+    make, classes = HF_STYLES[style]
+    wrong = sorted(f"{n} ({type(m).__name__})" for n, m in modules.items() if not isinstance(m, classes))
+    if wrong:
+        raise ValueError(
+            f"{where}: PyTorch's style for {style!r} shards {' / '.join(c.__name__ for c in classes)} modules, "
+            f"not {wrong[:3]}"
+        )
+    if style == "moe_tp_experts":
+        names = {
+            _EXPERT_WEIGHTS[entries[f"{key}.{weight}"]]: weight
+            for weight, _ in next(iter(modules.values())).named_parameters(recurse=False)
+            if entries.get(f"{key}.{weight}") in _EXPERT_WEIGHTS
+        }
+        return PackedExpertsParallel(**names)
+    return make()
+
+
 def hf_tp_plan(module: nn.Module) -> dict[str, ParallelStyle]:
     """The tensor-parallel plan of the ``transformers`` models in ``module`` (``module`` itself, or its
     submodules: names are relative to ``module``), as ``{module name pattern: ParallelStyle}``.
@@ -96,30 +145,16 @@ def hf_tp_plan(module: nn.Module) -> dict[str, ParallelStyle]:
         ImportError: ``transformers`` is not installed.
         ValueError: no ``transformers`` model in ``module`` has a plan; or a plan entry has a style
             without a PyTorch equivalent, or names a module of a class its style cannot shard, or
-            matches no module (each naming the entry).
+            weights outside a ``moe_tp_experts`` module (each naming the entry).
     """
     plan: dict[str, ParallelStyle] = {}
     models = transformers_models(module)
     for prefix, model in models:
-        names = {name: child for name, child in model.named_modules() if name}
-        for key, style in dict(getattr(model, "tp_plan", None) or {}).items():
-            where = f"{type(model).__name__}.tp_plan[{key!r}] = {style!r}"
-            if style not in HF_STYLES:
-                raise ValueError(
-                    f"{where}: no plain PyTorch ParallelStyle expresses {style!r} (mapped: {sorted(HF_STYLES)}); "
-                    "give this model a tp_plan of ParallelStyles instead"
-                )
-            make, classes = HF_STYLES[style]
-            targets = {name: child for name, child in names.items() if matches_plan_key(name, key)}
-            if not targets:
-                raise ValueError(f"{where} matches no module of {type(model).__name__}")
-            wrong = sorted(f"{n} ({type(m).__name__})" for n, m in targets.items() if not isinstance(m, classes))
-            if wrong:
-                raise ValueError(
-                    f"{where}: PyTorch's style for {style!r} shards {' / '.join(c.__name__ for c in classes)} modules, "
-                    f"not {wrong[:3]}"
-                )
-            plan[f"{prefix}.{key}" if prefix else key] = make()
+        entries = dict(getattr(model, "tp_plan", None) or {})
+        for key, style in entries.items():
+            made = _style_for(model, key, style, entries)
+            if made is not None:
+                plan[f"{prefix}.{key}" if prefix else key] = made
     if not plan:
         found = ", ".join(f"{name or '(the module)'}: {type(m).__name__}" for name, m in models) or "none"
         raise ValueError(

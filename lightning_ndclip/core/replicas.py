@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_ndclip._compat import local_tensors
+from lightning_ndclip._compat import StridedShard, local_tensors
 
 __all__ = ["broadcast_replicas_", "check_replica_gradients"]
 
@@ -93,11 +93,12 @@ def broadcast_replicas_(
 
 
 def _replicated_over_tp(param: torch.Tensor) -> bool:
-    """Whether every tensor-parallel rank holds the same values of ``param`` (not a ``Shard`` over ``tp``)."""
+    """Whether every tensor-parallel rank holds the same values of ``param`` (not a ``Shard`` or
+    ``_StridedShard``, which is no ``Shard``, over ``tp``)."""
     if not isinstance(param, DTensor):
         return True
     names = param.device_mesh.mesh_dim_names or ()
-    return "tp" not in names or not param.placements[names.index("tp")].is_shard()
+    return "tp" not in names or not isinstance(param.placements[names.index("tp")], (Shard, StridedShard))
 
 
 def check_replica_gradients(module: nn.Module, tp_mesh: DeviceMesh, rtol: float = 1e-5) -> None:
