@@ -52,12 +52,13 @@ from lightning_ndclip.core.ring_attention import ring_attention
 from lightning_ndclip.core.summary import ModuleRow, ParallelSummary, summarize
 from lightning_ndclip.core.tensor_parallel import check_ties, tensor_parallelize, tied_parameters
 
-_LIGHTNING_NAMES = ("GlobalMeanLoss", "GlobalNormClip", "NDParallelStrategy")
+_LIGHTNING_NAMES = ("GlobalMeanLoss", "GlobalNormClip", "NDParallelStrategy", "VerifyOneDevice")
 
 try:  # the Lightning layer (importing the strategy registers strategy="nd_parallel")
     from lightning_ndclip.lightning.callbacks import GlobalNormClip
     from lightning_ndclip.lightning.metrics import GlobalMeanLoss
     from lightning_ndclip.lightning.strategy import NDParallelStrategy
+    from lightning_ndclip.lightning.verify import VerifyOneDevice
 except ModuleNotFoundError as missing:
     if missing.name is None or missing.name.split(".")[0] not in ("lightning", "torchmetrics"):
         raise
@@ -94,6 +95,7 @@ __all__ = [
     "PipelineOptions",
     "SampleWeights",
     "TokenCount",
+    "VerifyOneDevice",
     "broadcast_replicas_",
     "build_pipeline",
     "check_data_parallel_reduction",

@@ -106,7 +106,7 @@ def _fit_case(family: str, export_to: str | None = None) -> dict:
     strategy = nd.NDParallelStrategy(dp_shard=2, tp=2, plan=plan, loss_normalization="token_mean", summary=False)
     trainer = L.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=2,
-        callbacks=[nd.GlobalNormClip(MAX_NORM)], logger=recorder, log_every_n_steps=1,
+        callbacks=[verify := nd.VerifyOneDevice(), nd.GlobalNormClip(MAX_NORM)], logger=recorder, log_every_n_steps=1,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
@@ -122,6 +122,7 @@ def _fit_case(family: str, export_to: str | None = None) -> dict:
         "params": {n: p.detach().full_tensor() for n, p in module.lm.named_parameters()},
         "tp_split": sorted(n for n, p in module.lm.named_parameters() if _sharded_over_tp(p)),
         "view_warnings": sorted({str(w.message)[:80] for w in caught if "returned a view tensor" in str(w.message)}),
+        "verified": verify.report,
     }
 
 
@@ -169,6 +170,7 @@ def test_a_family_trained_with_its_own_plan_equals_one_device(family):
     experts = [n for n, _ in model.named_parameters() if ".experts." in n]  # every expert weight, split over tp
     assert [n for n in result["tp_split"] if ".experts." in n] == sorted(experts)
     assert result["view_warnings"] == []  # FSDP2's, for a unit (the model, the strategy's root) returning a view
+    assert "verdict: exact" in result["verified"], result["verified"]  # the users' own check agrees
     for key in ("losses", "norms"):
         torch.testing.assert_close(torch.tensor(result[key]), torch.tensor(reference[key]), rtol=1e-5, atol=0, msg=key)
     assert result["params"].keys() == reference["params"].keys()

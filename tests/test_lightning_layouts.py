@@ -38,8 +38,11 @@ class NanoLM(L.LightningModule):
         torch.manual_seed(0)
         self.embed = nn.Embedding(VOCAB, WIDTH)
         blocks = [Block() for _ in range(LAYERS)]
-        self.blocks = nn.ModuleList(blocks) if container == "list" else nn.ModuleDict({f"b{i}": b for i, b in enumerate(blocks)})
+        listed = container.startswith("list")
+        self.blocks = nn.ModuleList(blocks) if listed else nn.ModuleDict({f"b{i}": b for i, b in enumerate(blocks)})
         self.head = nn.Linear(WIDTH, VOCAB)
+        if container.endswith("tied"):  # the nanoGPT habit: one weight for the embedding and the head
+            self.head.weight = self.embed.weight
         self.double()
 
     def _blocks(self):
@@ -93,7 +96,7 @@ def _reference(container: str) -> dict[str, torch.Tensor]:
 def _fit_case(container: str) -> dict:
     use_existing_process_group()
     module = NanoLM(container)
-    names = [f"blocks.{i}" if container == "list" else f"blocks.b{i}" for i in range(LAYERS)]
+    names = [f"blocks.{i}" if container.startswith("list") else f"blocks.b{i}" for i in range(LAYERS)]
     tp_plan = {**{f"{n}.up": ColwiseParallel() for n in names}, **{f"{n}.down": RowwiseParallel() for n in names}}
     strategy = nd.NDParallelStrategy(dp_shard=2, tp=2, plan=nd.ParallelPlan(tp_plan=tp_plan, fsdp_units=[Block]),
                                      loss_normalization="token_mean", summary=False)  # fmt: skip
@@ -108,15 +111,46 @@ def _fit_case(container: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("container", ["list", "dict"])
+@pytest.mark.parametrize("container", ["list", "dict", "list-tied"])
 def test_blocks_in_a_module_container_train_exactly_under_a_declarative_plan(container):
-    """fully_shard refused the container ('does not support containers that do not implement forward')."""
+    """fully_shard refused the container ('does not support containers that do not implement forward'); with a tied
+    embedding and head, each child a root unit made the shared weight two parameters (refused by the tie check)."""
     reference = _reference(container)
     for result in run_on_ranks(4, _fit_case, container):
         assert result["view_warnings"] == []
         assert result["params"].keys() == reference.keys()
         for name, expected in reference.items():
             torch.testing.assert_close(result["params"][name], expected, rtol=1e-10, atol=1e-12, msg=name)
+
+
+class NoForwardLM(NanoLM):
+    """Tied, and training_step calls the children itself: no module forward to be the one FSDP2 root."""
+
+    forward = L.LightningModule.forward
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        h = self.embed(tokens)
+        for block in self._blocks():
+            h = block(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def _no_forward_case() -> str:
+    use_existing_process_group()
+    strategy = nd.NDParallelStrategy(dp_shard=2, plan=nd.ParallelPlan(fsdp_units=[Block]), summary=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    try:
+        trainer.fit(NoForwardLM("list-tied"))
+    except ValueError as error:
+        return str(error)
+    return "trained"
+
+
+def test_tied_children_without_a_module_forward_are_refused_naming_the_fix():
+    for message in run_on_ranks(2, _no_forward_case):
+        assert "children share parameters" in message and "define forward and call self(...)" in message, message
 
 
 CLI_CONFIG = """

@@ -101,11 +101,40 @@ def parallelize(
     matched = [m for m in module.modules() if units and isinstance(m, units) and m is not module]
     for unit in matched:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **fsdp_kwargs)
-    for root in _callable_units([module] if root_units is None else root_units):
-        if isinstance(root, nn.Linear):  # e.g. a LightningModule's head, a unit of its own
-            root.register_forward_hook(output_not_a_view)
+    roots = _callable_units([module] if root_units is None else root_units)
+    shared = shared_parameters(roots)
+    if shared:
+        raise ValueError(
+            f"root units {shared[0]} hold one parameter between them ({shared[1]}): as two fully_shard units "
+            "they would make it two parameters. Give their common parent as the root unit (its forward must "
+            "be the one called)"
+        )
+    for root in roots:
+        for linear in _own_linears(root):  # e.g. an LM head: its output may be the unit's
+            linear.register_forward_hook(output_not_a_view)
         fully_shard(root, **fsdp_kwargs)
     return module
+
+
+def _own_linears(root: nn.Module) -> list[nn.Module]:
+    """The ``nn.Linear`` modules of ``root`` (itself included) that no FSDP2 unit inside it holds."""
+    found: list[nn.Module] = [root] if isinstance(root, nn.Linear) else []
+    for child in root.children():
+        if not isinstance(child, FSDPModule):
+            found += _own_linears(child)
+    return found
+
+
+def shared_parameters(units: Sequence[nn.Module]) -> tuple[list[str], str] | None:
+    """The first two of ``units`` (by class name) that hold one parameter between them, and its name in
+    the first, or ``None``: such units cannot each be a ``fully_shard`` unit."""
+    seen: dict[int, int] = {}
+    for index, unit in enumerate(units):
+        for name, param in unit.named_parameters():
+            other = seen.setdefault(id(param), index)
+            if other != index:
+                return [type(units[other]).__name__, type(unit).__name__], name
+    return None
 
 
 def _callable_units(roots: Sequence[nn.Module]) -> list[nn.Module]:

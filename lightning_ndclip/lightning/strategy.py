@@ -51,7 +51,7 @@ from lightning_ndclip.core.hf import transformers_models
 from lightning_ndclip.core.hf_checkpoint import load_hf_checkpoint
 from lightning_ndclip.core.loss import local_loss_sum, loss_share, sync_sample_weights
 from lightning_ndclip.core.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError
-from lightning_ndclip.core.parallelism import ParallelPlan
+from lightning_ndclip.core.parallelism import ParallelPlan, shared_parameters
 from lightning_ndclip.core.pipeline import PipelineOptions
 from lightning_ndclip.core.reduce import use_sum_reduction
 from lightning_ndclip.core.replicas import broadcast_replicas_, check_replica_gradients
@@ -305,6 +305,16 @@ class NDParallelStrategy(ModelParallelStrategy):
         return self.model
 
     @property
+    def loss_normalization(self) -> Literal["token_mean", "sample_mean"] | None:
+        """The ``loss_normalization`` the strategy was given."""
+        return self._loss_normalization
+
+    @property
+    def loss_reduction(self) -> Literal["mean", "sum"]:
+        """The ``loss_reduction`` the strategy was given."""
+        return self._loss_reduction
+
+    @property
     def parallel_dims(self) -> ParallelDims:
         """The resolved sizes (available once the processes are initialized)."""
         if self._dims is None:
@@ -431,6 +441,14 @@ class NDParallelStrategy(ModelParallelStrategy):
         roots = [c for c in module.children() if any(True for _ in c.parameters())]
         if any(True for _ in module.parameters(recurse=False)) or not roots:
             roots.append(module)
+        if shared_parameters(roots):  # a tied embedding and head: one unit for the module
+            if not is_overridden("forward", module):
+                raise ValueError(
+                    f"{type(module).__name__}'s children share parameters (e.g. a tied embedding and head), so they "
+                    "cannot each be an FSDP2 root unit, and the LightningModule itself has no forward to be the "
+                    "root: define forward and call self(...) in training_step"
+                )
+            roots = [module]
         self._plan.apply(module, self.meshes, root_units=roots)
 
     @override

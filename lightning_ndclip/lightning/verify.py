@@ -1,0 +1,316 @@
+"""``VerifyOneDevice``: check, on your own model, that the parallel step equals the plain model on one process.
+
+Before the strategy parallelizes anything (the callback's ``setup``, which Lightning runs before
+``configure_model`` and before a declarative plan), the callback copies the LightningModule to the
+CPU. During the first accumulation window it keeps every micro-batch. At the window's optimizer
+step, before any clipping, it gathers every gradient whole (``DTensor.full_tensor``, one collective
+per parameter; rank 0 keeps them) and the micro-batches of every data rank; once the step is done,
+rank 0 replays the window on the copy, in float64 where the model runs in it, with the module's own
+``training_step``, normalized as one device would:
+
+* the module defines ``count_tokens``: the exact global token mean, ``sum_i n_i loss_i / sum_i n_i``
+  (``loss_i`` the mean over the ``n_i`` tokens of micro-batch ``i``; a sum with
+  ``loss_reduction="sum"``), whatever the strategy was told: a per-rank mean is caught;
+* otherwise: the mean of the micro-batch losses (Lightning's meaning).
+
+It then compares the window's loss, every parameter's gradient (by the module's own names) and the
+total norm, prints a short report on rank 0, and on a mismatch raises ``ValueError`` on every rank
+(or warns) naming the parameters and, where it can tell, why: a tie that parallelization split into
+two parameters, a gradient ``k`` times the reference (a sum or mean over the wrong mesh dims), a
+parameter missing on one side.
+
+Limits: the plain module must fit in one process's CPU memory: rank 0 holds a copy of it from
+``setup`` to the first step, and then the window's micro-batches, every gradient whole and the
+replay at once; randomness (dropout) must be off or drawn alike; the
+module's weights must be real when ``setup`` runs (not on the meta device; layers built in
+``configure_model`` are not in the copy); ``training_step`` must run without the trainer (its
+``self.log`` calls are dropped); no pipeline or context parallelism, no ``sample_mean`` (refused at
+setup).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from lightning_ndclip.core.tensor_parallel import tied_parameters
+
+__all__ = ["VerifyOneDevice"]
+
+_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
+_RTOL = {torch.float64: 1e-8, torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+class VerifyOneDevice(Callback):
+    """At the first optimizer step, compare the parallel run with the same module on one process.
+
+    Args:
+        on_mismatch: ``"raise"`` (default): a ``ValueError`` on every rank; ``"warn"``: a warning.
+        rtol: the largest relative error ``|g - g_ref| / |g_ref|`` of a gradient (and of the loss and
+            the total norm) that counts as equal; default by the parameters' dtype: 1e-4 (float32),
+            2e-2 (bfloat16), 5e-3 (float16), 1e-8 (float64).
+        rows: how many of the worst parameters the report lists.
+
+    Put it before :class:`~lightning_ndclip.GlobalNormClip` in ``callbacks`` (the gradients are
+    compared before clipping; the other order is refused at setup). After the first step it does
+    nothing: it costs nothing when absent and only the first step when present.
+    """
+
+    def __init__(self, on_mismatch: Literal["raise", "warn"] = "raise", rtol: float | None = None, rows: int = 5) -> None:
+        if on_mismatch not in ("raise", "warn"):
+            raise ValueError(f"on_mismatch must be 'raise' or 'warn', got {on_mismatch!r}")
+        self.on_mismatch, self.rtol, self.rows = on_mismatch, rtol, rows
+        self._plain: pl.LightningModule | None = None
+        self._batches: list[tuple[int, Any]] = []
+        self._outputs: list[float] = []
+        self._grads: dict[str, torch.Tensor | None] | None = None
+        self._done = False
+        self._started = self._peak = 0.0
+        self.report: str | None = None
+        """The report of the check (on rank 0, once done)."""
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self._done:
+            return
+        _refuse_unsupported(trainer, pl_module, self)
+        if trainer.global_rank == 0:  # the one process that replays
+            self._plain = copy.deepcopy(pl_module, memo={id(trainer): None}).cpu()
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._done:
+            self._batches.append((batch_idx, _on_cpu(batch)))
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self._done or self._grads is not None:
+            return
+        self._started, self._peak = time.perf_counter(), _peak_mb()
+        rank0 = trainer.global_rank == 0
+        grads: dict[str, torch.Tensor | None] = {}
+        whole: dict[int, torch.Tensor | None] = {}
+        for name, param in pl_module.named_parameters(remove_duplicate=False):
+            if id(param) not in whole:  # one collective per parameter, on every rank alike
+                grad = param.grad
+                full = grad.full_tensor() if isinstance(grad, DTensor) else grad
+                whole[id(param)] = full.detach().to("cpu", torch.float64) if rank0 and full is not None else None
+            grads[_WRAPPERS.sub("", name)] = whole[id(param)]
+        self._grads = grads
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._done:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        self._outputs.append(float(loss) if isinstance(loss, torch.Tensor) else math.nan)
+        if self._grads is None:  # the window goes on
+            return
+        self._done = True
+        sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        mine = (int(sampler["rank"]), self._batches, self._outputs)
+        gathered: list[Any] = [mine]
+        if trainer.world_size > 1:
+            gathered = [None] * trainer.world_size
+            dist.all_gather_object(gathered, mine)
+        verdict: list[Any] = [None]
+        if trainer.global_rank == 0:
+            by_data_rank = {rank: (batches, outs) for rank, batches, outs in reversed(gathered)}  # one per data rank
+            verdict[0] = self._compare(trainer, pl_module, [by_data_rank[r] for r in sorted(by_data_rank)])
+        if trainer.world_size > 1:
+            dist.broadcast_object_list(verdict, src=0)
+        self._plain, self._batches, self._grads = None, [], None
+        problem = verdict[0]
+        if problem is not None:
+            if self.on_mismatch == "raise":
+                raise ValueError(problem)
+            warnings.warn(problem, UserWarning, stacklevel=2)
+
+    def _compare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, data: list[tuple[list, list[float]]]) -> str | None:
+        """Replay the window on the plain copy; print the report; the mismatch message, or ``None``."""
+        assert self._plain is not None and self._grads is not None
+        strategy = trainer.strategy
+        reduction = getattr(strategy, "loss_reduction", "mean")
+        normalized = getattr(strategy, "loss_normalization", None) is not None
+        plain, dtype, window_loss = _replay(self._plain, [b for batches, _ in data for b in batches], reduction)
+        reference = {_WRAPPERS.sub("", n): p.grad for n, p in plain.named_parameters(remove_duplicate=False)}
+        k = len(data[0][0])
+        parallel_loss = sum(sum(outs) for _, outs in data) / (1 if normalized else len(data))
+        ref_loss = window_loss
+        dtypes = {p.dtype for p in pl_module.parameters()}
+        rtol = self.rtol if self.rtol is not None else max(_RTOL.get(d, 1e-4) for d in dtypes)
+        parallel_ties = [tuple(_WRAPPERS.sub("", n) for n in tie) for tie in tied_parameters(pl_module)]
+        rows = _rows(self._grads, reference, tied_parameters(plain), parallel_ties)
+        unique = {id(g): g for g in self._grads.values() if g is not None}
+        norm = math.sqrt(sum(float(g.square().sum()) for g in unique.values()))
+        ref_unique = {id(g): g for g in reference.values() if g is not None}
+        ref_norm = math.sqrt(sum(float(g.square().sum()) for g in ref_unique.values()))
+        bad = [r for r in rows if r[1] > rtol]
+        loss_err, norm_err = _relative(parallel_loss, ref_loss), _relative(norm, ref_norm)
+        verdict = (
+            f"MISMATCH: {len(bad)} of {len(rows)} parameters beyond rtol {rtol:g}"
+            if bad or loss_err > rtol or norm_err > rtol
+            else f"exact: every gradient, the loss and the norm within rtol {rtol:g}"
+        )
+        lines = [
+            f"VerifyOneDevice: the first optimizer step ({k} micro-batch(es) x {len(data)} data rank(s)) replayed on "
+            f"one process in {str(dtype).replace('torch.', '')}",
+            f"  loss        parallel {parallel_loss:.10g}   one device {ref_loss:.10g}   rel. error {loss_err:.1e}",
+            f"  total norm  parallel {norm:.10g}   one device {ref_norm:.10g}   rel. error {norm_err:.1e}",
+            f"  worst parameters (of {len(rows)}):",
+            *(f"    {name:<44} {err:9.1e}  {cause}" for name, err, cause in rows[: self.rows]),
+            f"  verdict: {verdict}",
+            f"  the check took {time.perf_counter() - self._started:.2f} s (gathering, replay, comparison); rank 0's "
+            f"peak memory grew by {max(0.0, _peak_mb() - self._peak):.0f} MB",
+        ]
+        self.report = "\n".join(lines)
+        rank_zero_info(self.report)
+        if not verdict.startswith("MISMATCH"):
+            return None
+        named = "; ".join(f"{name} (rel. error {err:.1e}: {cause})" for name, err, cause in (bad or rows)[: self.rows])
+        return (
+            f"VerifyOneDevice: the parallel run differs from the same module on one process at the first step: "
+            f"{verdict}; loss rel. error {loss_err:.1e}, total norm rel. error {norm_err:.1e}. {named}"
+        )
+
+
+def _refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, callback: VerifyOneDevice) -> None:
+    """Refuse, the same on every rank, what the check cannot replay."""
+    problems = []
+    dims = getattr(trainer.strategy, "parallel_dims", None)
+    for dim in ("pp", "cp"):
+        if getattr(dims, dim, 1) > 1:
+            problems.append(f"{dim}={getattr(dims, dim)} (pipeline and context parallelism are not replayed yet)")
+    if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
+        problems.append("training_step(dataloader_iter) reads its own batches")
+    if getattr(trainer.strategy, "loss_normalization", None) == "sample_mean":
+        problems.append("loss_normalization='sample_mean' (not replayed yet)")
+    if any(p.is_meta for p in pl_module.parameters()):
+        problems.append("the module's weights are on the meta device: there is no initial state to replay")
+    if not any(True for _ in pl_module.parameters()):
+        problems.append("the module has no parameters before configure_model: build its layers in __init__")
+    order = [c for c in trainer.callbacks if type(c).__name__ == "GlobalNormClip" or c is callback]  # type: ignore[attr-defined]
+    if order and order[0] is not callback:
+        problems.append("it comes after GlobalNormClip in callbacks (it must see the gradients before clipping)")
+    if problems:
+        raise ValueError("VerifyOneDevice cannot check this run: " + "; ".join(problems))
+
+
+def _peak_mb() -> float:
+    """This process's peak resident memory so far, in MB (0 where the platform does not say)."""
+    try:
+        import resource
+    except ImportError:  # not on Unix
+        return 0.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _on_cpu(batch: Any) -> Any:
+    return apply_to_collection(move_data_to_device(batch, "cpu"), torch.Tensor, lambda t: t.detach().clone())
+
+
+def _replay(
+    plain: pl.LightningModule, batches: list[tuple[int, Any]], reduction: str
+) -> tuple[pl.LightningModule, torch.dtype, float]:
+    """A copy of ``plain`` holding the window's gradient, in float64 if the module runs in it (else
+    float32), its dtype and the window's loss."""
+    for dtype in (torch.float64, torch.float32):
+        model = copy.deepcopy(plain).to(dtype).train()
+        try:
+            return model, dtype, _accumulate(model, batches, reduction, dtype)
+        except (RuntimeError, TypeError):
+            if dtype == torch.float32:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _accumulate(model: pl.LightningModule, batches: list[tuple[int, Any]], reduction: str, dtype: torch.dtype) -> float:
+    """Run ``training_step`` on every micro-batch, each loss weighted as one device would weigh it, and
+    backward; returns the window's loss."""
+    cast = [(i, apply_to_collection(b, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)) for i, b in batches]
+    counter = getattr(model, "count_tokens", None)
+    counts = [float(counter(b)) if callable(counter) else 1.0 for _, b in cast]
+    total = sum(counts)
+    window = torch.zeros((), dtype=torch.float64)
+    with torch.enable_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a trainer
+        with_index = is_param_in_hook_signature(model.training_step, "batch_idx", min_args=2)
+        for (batch_idx, batch), n in zip(cast, counts):
+            out = model.training_step(batch, batch_idx) if with_index else model.training_step(batch)
+            loss = out["loss"] if isinstance(out, Mapping) else out
+            if not isinstance(loss, torch.Tensor):  # None: a skipped micro-batch, as Lightning skips it
+                continue
+            weight = (1.0 if reduction == "sum" else n) / total if callable(counter) else 1.0 / len(cast)
+            (loss * weight).backward()
+            window += loss.detach().double() * weight
+    return float(window)
+
+
+def _relative(got: float, expected: float) -> float:
+    return abs(got - expected) / max(abs(expected), 1e-30)
+
+
+def _rows(
+    grads: dict[str, torch.Tensor | None],
+    reference: dict[str, torch.Tensor | None],
+    plain_ties: list[tuple[str, ...]],
+    parallel_ties: list[tuple[str, ...]],
+) -> list[tuple[str, float, str]]:
+    """``(name, relative error, cause)`` for every parameter, worst first."""
+    tied_together = {frozenset(t) for t in parallel_ties}
+    split_ties = {
+        name: [n for n in tie if n != name]
+        for tie in plain_ties
+        if frozenset(tie) not in tied_together
+        for name in tie
+    }
+    rows = []
+    for name in sorted(set(grads) | set(reference)):
+        if name not in grads:
+            rows.append((name, math.inf, "not in the parallel model"))
+            continue
+        if name not in reference:
+            rows.append((name, math.inf, "not in the plain model"))
+            continue
+        got, expected = grads[name], reference[name]
+        if expected is None or got is None:
+            missing = "no gradient in the parallel run" if got is None else "no gradient on one device"
+            rows.append((name, 0.0 if got is expected else math.inf, "" if got is expected else missing))
+            continue
+        error = float((got - expected).norm() / expected.norm().clamp(min=1e-30))
+        rows.append((name, error, _cause(name, got, expected, split_ties)))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def _cause(name: str, got: torch.Tensor, expected: torch.Tensor, split_ties: dict[str, list[str]]) -> str:
+    if name in split_ties:
+        return f"one tensor with {split_ties[name]} in the model, a separate parameter after parallelization"
+    ref = float(expected.square().sum())
+    if ref == 0.0:
+        return ""
+    ratio = float((got * expected).sum()) / ref
+    cosine = float((got * expected).sum() / (got.norm() * expected.norm()).clamp(min=1e-30))
+    if cosine > 1 - 1e-6 and abs(ratio - 1) > 1e-3:
+        factor = f"{ratio:.4g} times" if ratio >= 1 else f"1/{1 / ratio:.4g} of"
+        return f"{factor} the one-device gradient: a sum or mean over the wrong mesh dims (or a missing normalization)"
+    return ""

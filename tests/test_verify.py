@@ -1,0 +1,195 @@
+"""``VerifyOneDevice`` on the traps it must catch, each reproduced and reported with the right parameters named
+(a tie split by tensor parallelism, a fused qkv split wrongly, a per-rank mean, a loss left unnormalized under SUM
+reductions), and on correct layouts, which pass. (An HSDP unit without its replicate dim never gets that far: the
+strategy refuses it at setup.)"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from harness import run_on_ranks
+from helpers import use_existing_process_group
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import lightning_ndclip as nd
+
+V, D = 16, 8
+
+
+class Block(nn.Module):
+    def __init__(self, fused: bool = False) -> None:
+        super().__init__()
+        self.fused = fused
+        self.up = nn.Linear(D, 3 * D if fused else 2 * D)
+        self.down = nn.Linear(D if fused else 2 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:  # q, k, v packed in one projection
+            q, k, v = self.up(x).chunk(3, dim=-1)
+            return x + self.down(q * torch.sigmoid(k) + v)
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class LM(L.LightningModule):
+    def __init__(self, tied: bool = False, fused: bool = False, tokens: bool = True, configure=None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(V, D)
+        self.blocks = nn.Sequential(Block(fused), Block(fused))
+        self.head = nn.Linear(D, V, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+        self.tokens, self.configure = tokens, configure
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(tokens)))
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        logits = self(tokens)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, V, (16, 6), generator=g)
+        labels = torch.randint(0, V, (16, 6), generator=g)
+        labels[torch.rand(16, 6, generator=g) < 0.4] = -100  # uneven token counts
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens, labels), batch_size=2)
+
+
+class CountingLM(LM):
+    def count_tokens(self, batch) -> torch.Tensor:
+        return (batch[1] != -100).sum()
+
+
+class ConfiguredLM(LM):
+    """Parallelized in configure_model, the Lightning way."""
+
+    def configure_model(self) -> None:
+        self.configure(self)
+
+
+class ConfiguredCountingLM(ConfiguredLM, CountingLM):
+    pass
+
+
+def _fit(module: L.LightningModule, strategy, devices: int = 4, clip: bool = True) -> dict:
+    use_existing_process_group()
+    verify = nd.VerifyOneDevice(on_mismatch="warn")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, accumulate_grad_batches=2, logger=False,
+        callbacks=[verify, *([nd.GlobalNormClip(1.0)] if clip else [])], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module)
+    return {"report": verify.report, "warned": [str(w.message) for w in caught if "VerifyOneDevice" in str(w.message)]}
+
+
+# --- correct layouts pass ------------------------------------------------------------------------------------------
+
+TP_PLAN = {"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()}
+
+
+def _correct_case(layout: str) -> dict:
+    strategies = {
+        "fsdp": lambda: nd.NDParallelStrategy(dp_shard=4, loss_normalization="token_mean", summary=False,
+                                              plan=nd.ParallelPlan(fsdp_units=[Block])),
+        "fsdp_tp_tied": lambda: nd.NDParallelStrategy(dp_shard=2, tp=2, loss_normalization="token_mean", summary=False,
+                                                      plan=nd.ParallelPlan(tp_plan=TP_PLAN, fsdp_units=[Block])),
+        "hsdp": lambda: nd.NDParallelStrategy(dp_replicate=2, dp_shard=2, summary=False,
+                                              plan=nd.ParallelPlan(fsdp_units=[Block])),
+    }  # fmt: skip
+    module = LM(tied=True) if layout == "hsdp" else CountingLM(tied=layout == "fsdp_tp_tied")
+    return _fit(module, strategies[layout]())
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp_tied", "hsdp"])
+def test_a_correct_layout_passes(layout):
+    results = run_on_ranks(4, _correct_case, layout)
+    assert all(r["warned"] == [] for r in results), results[0]["warned"]
+    report = results[0]["report"]
+    assert "verdict: exact" in report and "in float64" in report, report
+    assert results[1]["report"] is None  # the report is rank 0's
+
+
+# --- the traps -----------------------------------------------------------------------------------------------------
+
+
+def _split_tie(module: L.LightningModule) -> None:  # Lightning's way, without the strategy's tie keeping
+    tp = module.device_mesh["tensor_parallel"]
+    plan = {"embed": RowwiseParallel(input_layouts=Replicate()), "head": ColwiseParallel(output_layouts=Replicate())}
+    parallelize_module(module, tp, plan)
+    fully_shard(module, mesh=module.device_mesh["data_parallel"])
+
+
+def _fused_colwise(module: L.LightningModule) -> None:  # q, k and v split as one weight: each rank's chunk(3) mixes them
+    parallelize_module(module, module.device_mesh["tp"], TP_PLAN)
+    fully_shard(module, mesh=module.device_mesh["fsdp"])
+
+
+def _trap_case(trap: str) -> dict:
+    if trap == "tie":
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
+        return _fit(ConfiguredLM(tied=True, configure=_split_tie), strategy)
+    if trap == "fused_qkv":
+        return _fit(ConfiguredCountingLM(fused=True, configure=_fused_colwise),
+                    nd.NDParallelStrategy(dp_shard=2, tp=2, loss_normalization="token_mean", summary=False))  # fmt: skip
+    if trap == "per_rank_mean":  # count_tokens says the loss is a token mean; the strategy averages rank means
+        return _fit(CountingLM(), nd.NDParallelStrategy(dp_shard=4, summary=False, plan=nd.ParallelPlan(fsdp_units=[Block])))
+    # "unnormalized": SUM reductions asked for, the loss left a per-rank mean: every gradient dp x accumulation too big
+    return _fit(LM(), nd.NDParallelStrategy(dp_shard=4, sum_reduction=True, summary=False,
+                                            plan=nd.ParallelPlan(fsdp_units=[Block])))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("trap", "named", "cause"),
+    [
+        ("tie", ["head.weight", "embed.weight"], "a separate parameter after parallelization"),
+        ("fused_qkv", ["blocks.0.up.weight", "blocks.1.up.weight"], ""),
+        ("per_rank_mean", ["head.weight"], ""),
+        ("unnormalized", [], "4 times the one-device gradient"),  # a SUM of 4 rank means
+    ],
+)
+def test_a_trap_is_caught_naming_the_parameters(trap, named, cause):
+    results = run_on_ranks(4, _trap_case, trap)
+    for result in results:  # the same warning on every rank
+        assert len(result["warned"]) == 1 and "MISMATCH" in result["warned"][0], result["warned"]
+        message = result["warned"][0]
+        for name in named:
+            assert name in message or name in results[0]["report"], (name, results[0]["report"])
+        assert cause in message, message
+    assert "verdict: MISMATCH" in results[0]["report"]
+
+
+# --- what it refuses -----------------------------------------------------------------------------------------------
+
+
+def _after_clip_case() -> str:
+    use_existing_process_group()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=nd.NDParallelStrategy(summary=False, plan=nd.ParallelPlan(fsdp_units=[Block])),
+        max_steps=1, logger=False, callbacks=[nd.GlobalNormClip(1.0), nd.VerifyOneDevice()], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    try:
+        trainer.fit(LM())
+    except ValueError as error:
+        return str(error)
+    return "ran"
+
+
+def test_it_refuses_to_come_after_the_clip():
+    for message in run_on_ranks(2, _after_clip_case):
+        assert "VerifyOneDevice cannot check this run" in message and "after GlobalNormClip" in message
