@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ndclip import GlobalNormClip, NDParallelStrategy, ParallelMeshes
+from lightning_ndclip import GlobalNormClip, NDParallelStrategy, ParallelMeshes, VerifyOneDevice
 from lightning_ndclip.core.experts import MoE, shard_experts
 
 EXPERT_PATTERN = r"\.experts\."
@@ -153,6 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accumulate", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--verify", action="store_true", help="check the first step against the model on one process")
     p.add_argument("--log-every-n-steps", type=int, default=5)
     return p.parse_args(argv)
 
@@ -169,9 +170,10 @@ def main() -> None:
     strategy = NDParallelStrategy(**strategy_kwargs(args))
     clip = GlobalNormClip(args.max_norm, expert_pattern=EXPERT_PATTERN)
     logger = TensorBoardLogger(args.logdir, name="moe")
+    callbacks = [VerifyOneDevice(), clip] if args.verify else [clip]  # the check sees the gradients before the clip
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
-        callbacks=[clip], logger=logger, max_steps=args.max_steps, accumulate_grad_batches=args.accumulate,
+        callbacks=callbacks, logger=logger, max_steps=args.max_steps, accumulate_grad_batches=args.accumulate,
         log_every_n_steps=args.log_every_n_steps, enable_checkpointing=False, enable_model_summary=False,
     )
     L.seed_everything(0, verbose=False)  # the same initial weights on every rank and for every layout

@@ -20,7 +20,8 @@ SUMMARY = re.compile(
 )
 
 
-def _run(script: str, *args: str, cwd: Path, launcher: tuple[str, ...] = ()) -> str:
+def _run(script: str, *args: str, cwd: Path, launcher: tuple[str, ...] = (), logged: list[str] | None = None) -> str:
+    """The example's stdout; ``logged`` receives its stderr (where Lightning's ``rank_zero_info`` goes)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(
         [sys.executable, *launcher, str(EXAMPLES / script), *args],
@@ -30,6 +31,8 @@ def _run(script: str, *args: str, cwd: Path, launcher: tuple[str, ...] = ()) -> 
     ours = [m.group(0) for m in _WARNING.finditer(done.stderr) if m["file"].startswith(str(EXAMPLES.parent))]
     assert not ours, ours  # no warning from this package or its examples
     assert "returned a view tensor" not in done.stderr  # FSDP2's: a unit returning a view
+    if logged is not None:
+        logged.append(done.stderr)
     return done.stdout
 
 
@@ -70,8 +73,11 @@ def test_lightning_quickstart_trains_alike_with_lightnings_launcher_and_torchrun
 
 
 def test_train_gpt_runs_fsdp_x_tp_and_logs(tmp_path):
-    out = _run("train_gpt.py", "--max-steps", "4", "--rows", "96", "--logdir", str(tmp_path / "runs"), cwd=tmp_path)
+    args = ("--max-steps", "4", "--rows", "96", "--verify")
+    logged: list[str] = []
+    out = _run("train_gpt.py", *args, "--logdir", str(tmp_path / "runs"), cwd=tmp_path, logged=logged)
     assert 0 < _summary(out, steps=4)["loss"] < 10  # mean cross-entropy over 64 tokens (ln 64 ≈ 4.2 at the start)
+    assert "verdict: exact" in logged[0]  # VerifyOneDevice: the first step equals the model on one process
     assert list((tmp_path / "runs" / "gpt").glob("version_0/events.out.tfevents.*"))
 
 
@@ -84,9 +90,11 @@ def test_train_video_dit_runs_fsdp_x_context_parallel_and_logs(tmp_path):
 
 
 def test_train_moe_runs_expert_parallel_and_logs_expert_and_dense_norms(tmp_path):
-    args = ("--max-steps", "2", "--rows", "64", "--log-every-n-steps", "1")
-    out = _run("train_moe.py", *args, "--logdir", str(tmp_path / "runs"), cwd=tmp_path)
+    args = ("--max-steps", "2", "--rows", "64", "--log-every-n-steps", "1", "--verify")
+    logged: list[str] = []
+    out = _run("train_moe.py", *args, "--logdir", str(tmp_path / "runs"), cwd=tmp_path, logged=logged)
     assert 0 < _summary(out, steps=2)["loss"] < 10
+    assert "verdict: exact" in logged[0]  # VerifyOneDevice under expert parallelism
     scalars = _scalars(tmp_path / "runs" / "moe")
     total, expert, dense = (scalars[f"grad_norm/{tag}"] for tag in ("total", "expert", "dense"))
     assert len(total) == 2 and min(expert) > 0 and min(dense) > 0
