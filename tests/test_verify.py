@@ -193,3 +193,22 @@ def _after_clip_case() -> str:
 def test_it_refuses_to_come_after_the_clip():
     for message in run_on_ranks(2, _after_clip_case):
         assert "VerifyOneDevice cannot check this run" in message and "after GlobalNormClip" in message
+
+
+class TrainerBoundLM(LM):
+    """A training_step that needs the trainer, which the one-process copy does not have."""
+
+    def training_step(self, batch, batch_idx):
+        assert self.trainer.world_size > 0
+        return super().training_step(batch, batch_idx)
+
+
+def _replay_failure_case() -> dict:
+    return _fit(TrainerBoundLM(), nd.NDParallelStrategy(dp_shard=2, summary=False, plan=nd.ParallelPlan(fsdp_units=[Block])),
+                devices=2)  # fmt: skip
+
+
+def test_a_replay_that_fails_on_rank_zero_is_reported_on_every_rank():
+    """Rank 0 replays alone while the others wait for its verdict: its failure is their verdict too, not a hang."""
+    for result in run_on_ranks(2, _replay_failure_case):
+        assert len(result["warned"]) == 1 and "could not replay the step on one process" in result["warned"][0]

@@ -136,7 +136,10 @@ class VerifyOneDevice(Callback):
         verdict: list[Any] = [None]
         if trainer.global_rank == 0:
             by_data_rank = {rank: (batches, outs) for rank, batches, outs in reversed(gathered)}  # one per data rank
-            verdict[0] = self._compare(trainer, pl_module, [by_data_rank[r] for r in sorted(by_data_rank)])
+            try:
+                verdict[0] = self._compare(trainer, pl_module, [by_data_rank[r] for r in sorted(by_data_rank)])
+            except Exception as error:  # the others wait in the broadcast below: they raise it too
+                verdict[0] = f"VerifyOneDevice could not replay the step on one process: {type(error).__name__}: {error}"
         if trainer.world_size > 1:
             dist.broadcast_object_list(verdict, src=0)
         self._plain, self._batches, self._grads = None, [], None
