@@ -72,6 +72,20 @@ class CountingLM(LM):
         return (batch[1] != -100).sum()
 
 
+class SampleLM(LM):
+    """Every row a sample; training_step returns per-token losses, as loss_normalization='sample_mean' wants."""
+
+    def sample_ids(self, batch):
+        tokens, labels = batch
+        ids = torch.arange(tokens.shape[0])[:, None].expand(tokens.shape)
+        return ids, tokens.shape[0], labels != -100
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        losses = nn.functional.cross_entropy(self(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+        return losses.view(labels.shape)
+
+
 class ConfiguredLM(LM):
     """Parallelized in configure_model, the Lightning way."""
 
@@ -110,12 +124,16 @@ def _correct_case(layout: str) -> dict:
                                                       plan=nd.ParallelPlan(tp_plan=TP_PLAN, fsdp_units=[Block])),
         "hsdp": lambda: nd.NDParallelStrategy(dp_replicate=2, dp_shard=2, summary=False,
                                               plan=nd.ParallelPlan(fsdp_units=[Block])),
+        "fsdp_sample_mean": lambda: nd.NDParallelStrategy(dp_shard=4, loss_normalization="sample_mean", summary=False,
+                                                          plan=nd.ParallelPlan(fsdp_units=[Block])),
     }  # fmt: skip
+    if layout == "fsdp_sample_mean":
+        return _fit(SampleLM(), strategies[layout]())
     module = LM(tied=True) if layout == "hsdp" else CountingLM(tied=layout == "fsdp_tp_tied")
     return _fit(module, strategies[layout]())
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp_tied", "hsdp"])
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_tp_tied", "hsdp", "fsdp_sample_mean"])
 def test_a_correct_layout_passes(layout):
     results = run_on_ranks(4, _correct_case, layout)
     assert all(r["warned"] == [] for r in results), results[0]["warned"]

@@ -11,6 +11,8 @@ rank 0 replays the window on the copy, in float64 where the model runs in it, wi
 * the module defines ``count_tokens``: the exact global token mean, ``sum_i n_i loss_i / sum_i n_i``
   (``loss_i`` the mean over the ``n_i`` tokens of micro-batch ``i``; a sum with
   ``loss_reduction="sum"``), whatever the strategy was told: a per-rank mean is caught;
+* ``loss_normalization="sample_mean"``: the exact per-sample mean, from ``sample_ids``, each
+  token weighted ``1 / (its sample's valid tokens x the window's samples)``;
 * otherwise: the mean of the micro-batch losses (Lightning's meaning).
 
 It then compares the window's loss, every parameter's gradient (by the module's own names) and the
@@ -24,8 +26,7 @@ Limits: the plain module must fit in one process's CPU memory: rank 0 holds a co
 replay at once; randomness (dropout) must be off or drawn alike; the
 module's weights must be real when ``setup`` runs (not on the meta device; layers built in
 ``configure_model`` are not in the copy); ``training_step`` must run without the trainer (its
-``self.log`` calls are dropped); no pipeline or context parallelism, no ``sample_mean`` (refused at
-setup).
+``self.log`` calls are dropped); no pipeline or context parallelism (refused at setup).
 """
 
 from __future__ import annotations
@@ -154,8 +155,10 @@ class VerifyOneDevice(Callback):
         assert self._plain is not None and self._grads is not None
         strategy = trainer.strategy
         reduction = getattr(strategy, "loss_reduction", "mean")
-        normalized = getattr(strategy, "loss_normalization", None) is not None
-        plain, dtype, window_loss = _replay(self._plain, [b for batches, _ in data for b in batches], reduction)
+        normalization = getattr(strategy, "loss_normalization", None)
+        normalized = normalization is not None
+        micro_batches = [b for batches, _ in data for b in batches]
+        plain, dtype, window_loss = _replay(self._plain, micro_batches, reduction, normalization)
         reference = {_WRAPPERS.sub("", n): p.grad for n, p in plain.named_parameters(remove_duplicate=False)}
         k = len(data[0][0])
         parallel_loss = sum(sum(outs) for _, outs in data) / (1 if normalized else len(data))
@@ -206,8 +209,6 @@ def _refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, call
             problems.append(f"{dim}={getattr(dims, dim)} (pipeline and context parallelism are not replayed yet)")
     if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
         problems.append("training_step(dataloader_iter) reads its own batches")
-    if getattr(trainer.strategy, "loss_normalization", None) == "sample_mean":
-        problems.append("loss_normalization='sample_mean' (not replayed yet)")
     if any(p.is_meta for p in pl_module.parameters()):
         problems.append("the module's weights are on the meta device: there is no initial state to replay")
     if not any(True for _ in pl_module.parameters()):
@@ -233,40 +234,70 @@ def _on_cpu(batch: Any) -> Any:
 
 
 def _replay(
-    plain: pl.LightningModule, batches: list[tuple[int, Any]], reduction: str
+    plain: pl.LightningModule, batches: list[tuple[int, Any]], reduction: str, normalization: str | None
 ) -> tuple[pl.LightningModule, torch.dtype, float]:
     """A copy of ``plain`` holding the window's gradient, in float64 if the module runs in it (else
     float32), its dtype and the window's loss."""
     for dtype in (torch.float64, torch.float32):
         model = copy.deepcopy(plain).to(dtype).train()
         try:
-            return model, dtype, _accumulate(model, batches, reduction, dtype)
+            return model, dtype, _accumulate(model, batches, reduction, normalization, dtype)
         except (RuntimeError, TypeError):
             if dtype == torch.float32:
                 raise
     raise AssertionError("unreachable")
 
 
-def _accumulate(model: pl.LightningModule, batches: list[tuple[int, Any]], reduction: str, dtype: torch.dtype) -> float:
-    """Run ``training_step`` on every micro-batch, each loss weighted as one device would weigh it, and
+def _accumulate(
+    model: pl.LightningModule, batches: list[tuple[int, Any]], reduction: str, normalization: str | None, dtype: torch.dtype
+) -> float:
+    """Run ``training_step`` on every micro-batch, its loss weighted as one device would weigh it, and
     backward; returns the window's loss."""
     cast = [(i, apply_to_collection(b, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)) for i, b in batches]
-    counter = getattr(model, "count_tokens", None)
-    counts = [float(counter(b)) if callable(counter) else 1.0 for _, b in cast]
-    total = sum(counts)
+    weights = _sample_weights(model, cast) if normalization == "sample_mean" else _batch_weights(model, cast, reduction)
     window = torch.zeros((), dtype=torch.float64)
     with torch.enable_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log without a trainer
         with_index = is_param_in_hook_signature(model.training_step, "batch_idx", min_args=2)
-        for (batch_idx, batch), n in zip(cast, counts):
+        for (batch_idx, batch), weight in zip(cast, weights):
             out = model.training_step(batch, batch_idx) if with_index else model.training_step(batch)
             loss = out["loss"] if isinstance(out, Mapping) else out
             if not isinstance(loss, torch.Tensor):  # None: a skipped micro-batch, as Lightning skips it
                 continue
-            weight = (1.0 if reduction == "sum" else n) / total if callable(counter) else 1.0 / len(cast)
-            (loss * weight).backward()
-            window += loss.detach().double() * weight
+            weighted = (loss * weight.to(loss.dtype)).sum()
+            weighted.backward()
+            window += weighted.detach().double()
     return float(window)
+
+
+def _batch_weights(model: pl.LightningModule, batches: list[tuple[int, Any]], reduction: str) -> list[torch.Tensor]:
+    """Each micro-batch's weight: its tokens over the window's (its mean loss becomes its share of the
+    token mean; ``1 / tokens`` for a summed loss) with ``count_tokens``, else ``1 / micro-batches``."""
+    counter = getattr(model, "count_tokens", None)
+    if not callable(counter):
+        return [torch.tensor(1.0 / len(batches), dtype=torch.float64)] * len(batches)
+    counts = [float(counter(b)) for _, b in batches]
+    total = sum(counts)
+    return [torch.tensor((1.0 if reduction == "sum" else n) / total, dtype=torch.float64) for n in counts]
+
+
+def _sample_weights(model: pl.LightningModule, batches: list[tuple[int, Any]]) -> list[torch.Tensor]:
+    """Each token's weight in the per-sample mean, from ``sample_ids``: ``1 / (its sample's valid tokens
+    x the window's samples with a valid token)``, 0 for padding (id -1) and masked tokens."""
+    per_batch = []
+    for _, batch in batches:
+        ids, num_samples, *rest = model.sample_ids(batch)  # type: ignore[operator]
+        ids = torch.as_tensor(ids).long()
+        mask = (ids >= 0) & (torch.as_tensor(rest[0]).bool() if rest and rest[0] is not None else True)
+        tokens = torch.zeros(int(num_samples), dtype=torch.float64).index_add_(
+            0, ids[mask], torch.ones(int(mask.sum()), dtype=torch.float64)
+        )
+        per_batch.append((ids, mask, tokens))
+    samples = sum(int((tokens > 0).sum()) for _, _, tokens in per_batch)
+    return [
+        torch.where(mask, 1.0 / (tokens[ids.clamp(min=0)].clamp(min=1) * max(samples, 1)), 0.0)
+        for ids, mask, tokens in per_batch
+    ]
 
 
 def _relative(got: float, expected: float) -> float:
