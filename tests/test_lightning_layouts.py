@@ -148,6 +148,7 @@ def _no_forward_case() -> str:
     return "trained"
 
 
+@pytest.mark.faults
 def test_tied_children_without_a_module_forward_are_refused_naming_the_fix():
     for message in run_on_ranks(2, _no_forward_case):
         assert "children share parameters" in message and "define forward and call self(...)" in message, message

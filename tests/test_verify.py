@@ -226,6 +226,7 @@ def _replay_failure_case() -> dict:
                 devices=2)  # fmt: skip
 
 
+@pytest.mark.faults
 def test_a_replay_that_fails_on_rank_zero_is_reported_on_every_rank():
     """Rank 0 replays alone while the others wait for its verdict: its failure is their verdict too, not a hang."""
     for result in run_on_ranks(2, _replay_failure_case):
