@@ -198,3 +198,8 @@ def test_the_strategy_loads_the_checkpoint_into_the_parallelized_model(tmp_path)
     assert trained.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(trained[name], value.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_strategy_refuses_a_checkpoint_to_load_into_pipeline_stages():
+    with pytest.raises(ValueError, match=r"hf_checkpoint=\.\.\., pp > 1\): each pipeline rank holds some stages"):
+        nd.NDParallelStrategy(pp=2, hf_checkpoint="somewhere")

@@ -116,9 +116,12 @@ def load_hf_checkpoint(
       ``_init_weights``; one that it leaves unset is an error naming it, never uninitialized memory.
 
     Raises:
-        ValueError: with ``strict``, a weight of the model the checkpoint lacks, or a tensor of the
-            checkpoint the model lacks; in any case a shape that differs (each naming the tensors). The
-            same on every rank: every rank reads the same file headers.
+        ValueError: before anything is allocated, the same on every rank (every rank reads the same
+            file headers), naming the tensors: with ``strict``, a weight of the model the checkpoint
+            lacks or a tensor of the checkpoint the model lacks; a shape that differs; a tie the model
+            declares (``all_tied_weights_keys``) but holds as two parameters; tensors that
+            ``transformers`` converts on load (merged or split, as MoE experts' per-expert files).
+            After loading, a buffer the checkpoint lacks that the model's initialization leaves unset.
     """
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 

@@ -176,7 +176,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             LightningModule's ``transformers`` model once it is parallelized, each rank reading only its
             shards (:func:`~lightning_ndclip.core.hf_checkpoint.load_hf_checkpoint`). Build the model on
             the meta device (``with torch.device("meta")``, or ``Trainer.init_module(empty_init=True)``)
-            and no rank ever holds all of it.
+            and no rank ever holds all of it. Not with ``pp > 1`` (a ``ValueError``).
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: from the accelerator.
         timeout: process-group timeout.
 
@@ -272,6 +272,11 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._meshes: ParallelMeshes | None = None
         self._ties: list[tuple[str, ...]] = []
         self._replica_gradients_checked = False
+        if hf_checkpoint is not None and pp > 1:
+            raise ValueError(
+                "NDParallelStrategy(hf_checkpoint=..., pp > 1): each pipeline rank holds some stages of the model, "
+                "and loading into stages is not supported yet; load the checkpoint before the split (from_pretrained)"
+            )
         self._hf_checkpoint = hf_checkpoint
 
     def _transformers_model(self, module: pl.LightningModule) -> nn.Module:
