@@ -17,12 +17,14 @@ import argparse
 import collections
 import json
 import os
+import tempfile
 import traceback
 import warnings
 from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 import lightning_ndclip as nd
@@ -93,6 +95,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--nonfinite", choices=["skip", "raise", "clip"], default="skip", help="GlobalNormClip's")
+    parser.add_argument("--log-every-n-steps", type=int, default=0, help="0: no logger; else a CSV logger")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -105,7 +108,9 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cuda" if torch.cuda.is_available() else "cpu", devices=1, strategy=strategy,
         max_steps=args.steps, accumulate_grad_batches=2, callbacks=[nd.GlobalNormClip(1.0, nonfinite=args.nonfinite), recorder],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=CSVLogger(tempfile.mkdtemp()) if args.log_every_n_steps else False,
+        log_every_n_steps=max(args.log_every_n_steps, 1), enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(LM())
     steps = args.steps - recorder.first
@@ -114,19 +119,20 @@ def main() -> None:
     data = {"device": device, "torch": torch.__version__, "lightning": L.__version__,
             "steps": steps, "micro_batches": recorder.micro_batches,
             "syncs": [{"owner": o, "where": w, "message": m, "count": c} for (o, w, m), c in rows]}  # fmt: skip
+    logging = f"a CSV logger every {args.log_every_n_steps} steps" if args.log_every_n_steps else "no logger"
     lines = [f"# Host synchronizations per steady-state step on {data['device']} (torch {data['torch']}, "
              f"Lightning {data['lightning']})", "",
              "NDParallelStrategy(loss_normalization='token_mean'), FSDP2 units per block, "
              f"GlobalNormClip(1.0, nonfinite={args.nonfinite!r}), "
              "fused AdamW, world size 1, "
-             f"2 micro-batches per step, no logger; {steps} steps ({recorder.micro_batches} micro-batches) under "
+             f"2 micro-batches per step, {logging}; {steps} steps ({recorder.micro_batches} micro-batches) under "
              "`torch.cuda.set_sync_debug_mode('warn')`. See README.md.", "",
              "| owner | where | per step | message |", "|---|---|---|---|"]  # fmt: skip
     lines += [f"| {r['owner']} | `{r['where']}` | {r['count'] / steps:g} | {r['message']} |" for r in data["syncs"]]
     if not data["syncs"]:
         lines.append("| - | - | 0 | no host synchronization |")
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"gpu_step_syncs_{args.nonfinite}"
+    stem = args.out / f"gpu_step_syncs_{args.nonfinite}{f'_log{args.log_every_n_steps}' if args.log_every_n_steps else ''}"
     Path(f"{stem}.json").write_text(json.dumps(data, indent=1))
     Path(f"{stem}.md").write_text("\n".join(lines + [""]))
     print("\n".join(lines))

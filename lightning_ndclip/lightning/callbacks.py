@@ -337,7 +337,8 @@ class GlobalNormClip(Callback):
             "grad_norm/total": norms.total,
             "grad_norm/clipped": norms.total * coef,
             "grad_norm/clip_coef": coef,
-            "grad_norm/skipped_steps": float(self.skipped_steps),
+            # a device tensor filled in place: a Python float would be copied to the device, a host sync
+            "grad_norm/skipped_steps": torch.full((), float(self.skipped_steps), device=norms.total.device),
         }
         if norms.per_tensor is not None:
             values.update(self._detail(norms))
