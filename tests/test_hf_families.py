@@ -75,8 +75,8 @@ def _reference(family: str) -> dict:
     """One process, float64; each Trainer step covers all 8 rows (2 micro-batches x 2 data ranks x 2 rows). MoE
     experts run their plain loop (the grouped matmul kernels have no float64)."""
     model = tiny_causal_lm(family).double()
-    if getattr(model.config, "_experts_implementation", None) is not None:
-        model.config._experts_implementation = "eager"
+    if family in MOE:
+        model.set_experts_implementation("eager")
     tokens, labels = _data()
     losses, norms = [], []
     for _ in range(STEPS):

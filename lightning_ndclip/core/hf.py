@@ -98,12 +98,15 @@ def transformers_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _style_for(model: nn.Module, key: str, style: str, entries: dict[str, str]) -> ParallelStyle | None:
-    """The PyTorch style for one plan entry; ``None`` for an entry that needs none (it matches nothing
-    in this model, or is a weight of a ``moe_tp_experts`` module, which that module's style splits)."""
+def _style_for(
+    model: nn.Module, key: str, style: str, entries: dict[str, str], submodules: dict[str, nn.Module], params: list[str]
+) -> ParallelStyle | None:
+    """The PyTorch style for one plan entry of ``model`` (whose named submodules and parameter names are
+    given); ``None`` for an entry that needs none (it matches nothing in this model, or is a weight of a
+    ``moe_tp_experts`` module, which that module's style splits)."""
     where = f"{type(model).__name__}.tp_plan[{key!r}] = {style!r}"
-    modules = {name: child for name, child in model.named_modules() if name and matches_plan_key(name, key)}
-    weights = [name for name, _ in model.named_parameters() if matches_plan_key(name, key)]
+    modules = {name: child for name, child in submodules.items() if matches_plan_key(name, key)}
+    weights = [name for name in params if matches_plan_key(name, key)]
     if not modules and weights:  # an entry for weights, not modules
         holder = key.rpartition(".")[0]
         if style not in _EXPERT_WEIGHTS or entries.get(holder) != "moe_tp_experts":
@@ -151,8 +154,10 @@ def hf_tp_plan(module: nn.Module) -> dict[str, ParallelStyle]:
     models = transformers_models(module)
     for prefix, model in models:
         entries = dict(getattr(model, "tp_plan", None) or {})
+        submodules = {name: child for name, child in model.named_modules() if name}
+        params = [name for name, _ in model.named_parameters()]
         for key, style in entries.items():
-            made = _style_for(model, key, style, entries)
+            made = _style_for(model, key, style, entries, submodules, params)
             if made is not None:
                 plan[f"{prefix}.{key}" if prefix else key] = made
     if not plan:

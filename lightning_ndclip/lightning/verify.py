@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_ndclip.core.tensor_parallel import tied_parameters
+from lightning_ndclip.lightning.callbacks import GlobalNormClip
 
 __all__ = ["VerifyOneDevice"]
 
@@ -213,7 +214,7 @@ def _refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, call
         problems.append("the module's weights are on the meta device: there is no initial state to replay")
     if not any(True for _ in pl_module.parameters()):
         problems.append("the module has no parameters before configure_model: build its layers in __init__")
-    order = [c for c in trainer.callbacks if type(c).__name__ == "GlobalNormClip" or c is callback]  # type: ignore[attr-defined]
+    order = [c for c in trainer.callbacks if isinstance(c, GlobalNormClip) or c is callback]  # type: ignore[attr-defined]
     if order and order[0] is not callback:
         problems.append("it comes after GlobalNormClip in callbacks (it must see the gradients before clipping)")
     if problems:
