@@ -101,7 +101,7 @@ def _fit_case(family: str, export_to: str | None = None) -> dict:
     use_existing_process_group()
     recorder = Recorder()
     module = _FamilyModule(family)
-    units = {type(m) for m in module.lm.modules() if type(m).__name__ in module.lm._no_split_modules}
+    units = {type(module.lm.base_model.layers[0])}  # the decoder layer, each one FSDP2 unit
     plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=sorted(units, key=lambda c: c.__name__))
     strategy = nd.NDParallelStrategy(dp_shard=2, tp=2, plan=plan, loss_normalization="token_mean", summary=False)
     trainer = L.Trainer(
