@@ -14,7 +14,7 @@ from lightning_ndclip.core.context import context_parallel_attention, shard_sequ
 from lightning_ndclip.core.coverage import check_data_parallel_reduction
 from lightning_ndclip.core.expert_tensor_parallel import PackedExpertsParallel
 from lightning_ndclip.core.experts import Experts, MoE, shard_experts
-from lightning_ndclip.core.hf import HF_STYLES, hf_tp_plan
+from lightning_ndclip.core.hf import HF_STYLES, LatentKeyParallel, hf_tp_plan
 from lightning_ndclip.core.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from lightning_ndclip.core.loss import (
     SampleWeights,
@@ -82,6 +82,7 @@ __all__ = [
     "GlobalMeanLoss",
     "GlobalNormClip",
     "GradNorms",
+    "LatentKeyParallel",
     "ModuleRow",
     "MoE",
     "NDParallelStrategy",

@@ -30,6 +30,10 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "Mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "Qwen3-MoE": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"head_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
                                                               "moe_intermediate_size": 8}),
+    "DeepSeek-V2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {  # latent attention, a dense layer, then MoE
+        "num_key_value_heads": 4, "q_lora_rank": 8, "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+        "v_head_dim": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+        "first_k_dense_replace": 1, "n_shared_experts": 1}),
 }
 
 

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from lightning_ndclip import _compat
+from lightning_ndclip.core.tensor_parallel import gradient_summed_over
 
 __all__ = ["PackedExpertsParallel"]
 
@@ -82,17 +83,11 @@ class PackedExpertsParallel(_compat.ModuleStyle):
             )
 
 
-def _replicated_input(value: Any, mesh: DeviceMesh) -> Any:
-    """Identity forward; in backward, the gradient (a partial sum over ``tp``) summed over ``tp``."""
-    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.is_floating_point() and value.requires_grad:
-        return DTensor.from_local(value, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-    return value
-
-
 class _Localize:
-    """Forward pre-hook: the inputs as :func:`_replicated_input`, and the module's sharded weights seen by
-    its ``forward`` as their local slices (an instance attribute over the registered parameter, removed
-    by :class:`_SumOutput`; the parameters themselves stay the DTensors the optimizer and FSDP2 see)."""
+    """Forward pre-hook: the inputs' gradients summed over ``tp`` (``gradient_summed_over``), and the
+    module's sharded weights seen by its ``forward`` as their local slices (an instance attribute over the
+    registered parameter, removed by :class:`_SumOutput`; the parameters themselves stay the DTensors the
+    optimizer and FSDP2 see)."""
 
     def __init__(self, mesh: DeviceMesh, names: tuple[str, ...]) -> None:
         self.mesh, self.names = mesh, names
@@ -101,8 +96,8 @@ class _Localize:
         for name in self.names:
             weight = getattr(module, name)
             object.__setattr__(module, name, weight.to_local() if isinstance(weight, DTensor) else weight)
-        args = tuple(_replicated_input(a, self.mesh) for a in args)
-        return args, {k: _replicated_input(v, self.mesh) for k, v in kwargs.items()}
+        args = tuple(gradient_summed_over(a, self.mesh) for a in args)
+        return args, {k: gradient_summed_over(v, self.mesh) for k, v in kwargs.items()}
 
 
 class _SumOutput:

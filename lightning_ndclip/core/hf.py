@@ -22,7 +22,11 @@ Only the styles plain PyTorch expresses are mapped, each to the layouts ``transf
                                            ``q_norm`` / ``k_norm``)
 ``moe_tp_experts`` (with ``packed_colwise`` :class:`~lightning_ndclip.core.expert_tensor_parallel.PackedExpertsParallel`:
 and ``rowwise`` on its two weights)        every expert split along its intermediate width (Mixtral,
-                                           Qwen3-MoE)
+                                           Qwen3-MoE, DeepSeek-V2)
+``mla_kv_a_proj``                          :class:`LatentKeyParallel`: the weight replicated, the
+                                           gradient of the output's rotary part summed over tp
+                                           (DeepSeek-V2's multi-head latent attention)
+``replicate``                              none: left whole, as a module the plan does not name
 ========================================= ====================================================
 
 An entry for modules the model does not have (the dense MLP of a model whose layers are all sparse)
@@ -35,15 +39,19 @@ never a silently different function.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
+from lightning_ndclip import _compat
 from lightning_ndclip.core.expert_tensor_parallel import PackedExpertsParallel
-from lightning_ndclip.core.tensor_parallel import matches_plan_key
+from lightning_ndclip.core.tensor_parallel import gradient_summed_over, matches_plan_key
 
-__all__ = ["HF_STYLES", "hf_tp_plan"]
+__all__ = ["HF_STYLES", "LatentKeyParallel", "hf_tp_plan"]
 
 
 def _gathered_colwise() -> ParallelStyle:
@@ -62,7 +70,45 @@ def _replicated_on_split_heads() -> ParallelStyle:
     return SequenceParallel(sequence_dim=-2, use_local_output=True)
 
 
-HF_STYLES: dict[str, tuple[Callable[[], ParallelStyle], tuple[type[nn.Module], ...]]] = {
+class LatentKeyParallel(_compat.ModuleStyle):
+    """``mla_kv_a_proj``: the joint key-value down-projection of multi-head latent attention (DeepSeek-V2's
+    ``kv_a_proj_with_mqa``), kept whole on every tp rank. Its output is ``[latent, rotary key]``: the
+    latent part feeds ``kv_b_proj`` (colwise, which sums its input's gradient over tp), but the last
+    ``rope_dim`` columns, the rotary key shared by all heads, go straight to this rank's heads, so each
+    rank's gradient for them is a partial sum over tp: summed here in backward. Forward is unchanged;
+    the weight's gradient is then the same whole gradient on every tp rank, as one device computes it.
+
+    Raises:
+        ValueError: at ``parallelize_module``, naming the module, when it is not an ``nn.Linear`` with
+            more than ``rope_dim`` outputs.
+    """
+
+    def __init__(self, rope_dim: int) -> None:
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear) or module.out_features <= self.rope_dim:
+            raise ValueError(
+                f"LatentKeyParallel: {type(module).__name__} is not an nn.Linear with more than rope_dim={self.rope_dim} "
+                "outputs (a latent part, then the rotary key)"
+            )
+        module.register_forward_hook(_RotaryGradientSummed(device_mesh, self.rope_dim))
+        return module
+
+
+class _RotaryGradientSummed:
+    """Forward hook: the output's last ``rope_dim`` columns with their gradient summed over ``mesh``."""
+
+    def __init__(self, mesh: DeviceMesh, rope_dim: int) -> None:
+        self.mesh, self.rope_dim = mesh, rope_dim
+
+    def __call__(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        latent, rotary = output.split([output.shape[-1] - self.rope_dim, self.rope_dim], dim=-1)
+        return torch.cat([latent, gradient_summed_over(rotary, self.mesh)], dim=-1)
+
+
+HF_STYLES: dict[str, tuple[Callable[..., ParallelStyle], tuple[type[nn.Module], ...]]] = {
     "colwise": (ColwiseParallel, (nn.Linear,)),
     "rowwise": (RowwiseParallel, (nn.Linear,)),
     "colwise_gather_output": (_gathered_colwise, (nn.Linear,)),
@@ -73,8 +119,13 @@ HF_STYLES: dict[str, tuple[Callable[[], ParallelStyle], tuple[type[nn.Module], .
     "embedding_colwise": (_gathered_colwise, (nn.Embedding,)),
     "replicated_with_grad_allreduce": (_replicated_on_split_heads, (nn.Module,)),
     "moe_tp_experts": (PackedExpertsParallel, (nn.Module,)),
+    "mla_kv_a_proj": (LatentKeyParallel, (nn.Linear,)),
 }
-"""``transformers`` style -> (a PyTorch style for it, the module classes it applies to)."""
+"""``transformers`` style -> (a PyTorch style for it, the module classes it applies to). Each is made with
+no argument, except ``LatentKeyParallel(rope_dim)``, given the model's ``qk_rope_head_dim``."""
+
+_LEFT_WHOLE = {"replicate"}
+"""Styles that ask for no parallelism: their modules stay whole on every tp rank, as modules a plan does not name."""
 
 _EXPERT_WEIGHTS = {"packed_colwise": "gate_up", "rowwise": "down"}
 """The styles ``transformers`` gives the two weights of a ``moe_tp_experts`` module, and which they are."""
@@ -116,6 +167,8 @@ def _style_for(
                 "ParallelStyles instead"
             )
         return None
+    if style in _LEFT_WHOLE:
+        return None
     if style not in HF_STYLES:
         raise ValueError(
             f"{where}: no plain PyTorch ParallelStyle expresses {style!r} (mapped: {sorted(HF_STYLES)}); "
@@ -137,7 +190,14 @@ def _style_for(
             if entries.get(f"{key}.{weight}") in _EXPERT_WEIGHTS
         }
         return PackedExpertsParallel(**names)
+    if style == "mla_kv_a_proj":
+        return LatentKeyParallel(rope_dim=_text_config(model).qk_rope_head_dim)
     return make()
+
+
+def _text_config(model: nn.Module) -> Any:
+    config: Any = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def hf_tp_plan(module: nn.Module) -> dict[str, ParallelStyle]:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_ndclip import _compat
@@ -174,6 +174,14 @@ def output_not_a_view(module: nn.Module, inputs: Any, output: Any) -> Any:
     if type(output) is torch.Tensor and _compat.view_base(output) is not None:
         return _compat.unsafe_view(output, output.shape)
     return output
+
+
+def gradient_summed_over(value: Any, mesh: DeviceMesh) -> Any:
+    """Identity forward for a plain floating-point tensor that needs a gradient (anything else is returned
+    as is); in backward its gradient, a partial sum over ``mesh`` (each rank's heads or experts), summed."""
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.is_floating_point() and value.requires_grad:
+        return DTensor.from_local(value, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    return value
 
 
 def _sum_partial_gradient(param: torch.Tensor) -> None:
