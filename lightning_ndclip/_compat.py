@@ -257,7 +257,7 @@ def batches_that_stepped(trainer: pl.Trainer) -> int:
     return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
-def set_device_mesh(obj: Any, mesh: DeviceMesh) -> None:
+def set_device_mesh(obj: Any, mesh: DeviceMesh | None) -> None:
     """Set what the ``device_mesh`` property of a ``ModelParallelStrategy`` or a ``LightningModule``
     returns (reason: Lightning's own protocol, as its ``setup_environment`` does; neither has a setter)."""
     obj._device_mesh = mesh

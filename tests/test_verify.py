@@ -13,12 +13,15 @@ import torch
 from harness import run_on_ranks
 from helpers import use_existing_process_group
 from lightning.pytorch.strategies import ModelParallelStrategy
+from test_context_trainer import _CausalLMModule, _DiTModule
+from test_pipeline_trainer import _PipelinedLM, _TiedPipelinedLM
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import lightning_ndclip as nd
+from lightning_ndclip.core.context import shard_sequence
 
 V, D = 16, 8
 
@@ -214,10 +217,10 @@ def test_it_refuses_to_come_after_the_clip():
 
 
 class TrainerBoundLM(LM):
-    """A training_step that needs the trainer, which the one-process copy does not have."""
+    """A training_step that reads what the replay's one-process stand-in trainer does not have (its metrics)."""
 
     def training_step(self, batch, batch_idx):
-        assert self.trainer.world_size > 0
+        assert self.trainer.callback_metrics is not None
         return super().training_step(batch, batch_idx)
 
 
@@ -231,3 +234,76 @@ def test_a_replay_that_fails_on_rank_zero_is_reported_on_every_rank():
     """Rank 0 replays alone while the others wait for its verdict: its failure is their verdict too, not a hang."""
     for result in run_on_ranks(2, _replay_failure_case):
         assert len(result["warned"]) == 1 and "could not replay the step on one process" in result["warned"][0]
+
+
+# --- pipeline and context parallel: the replayed step sees one process -------------------------------------------
+
+
+class _MeanPipelinedLM(_PipelinedLM):
+    count_tokens = None  # no token count: Lightning's mean of the micro-batch means
+
+    def pipeline_loss(self, output, target):  # a pipeline micro-batch's mean, as without loss_normalization
+        return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=-100)
+
+
+def _pipeline_case(kind: str) -> dict:
+    module = {"tied": _TiedPipelinedLM, "undeclared_tie": _TiedPipelinedLM, "mean": _MeanPipelinedLM}.get(kind, _PipelinedLM)()
+    module.dp = dp = 2 if kind == "pp_dp" else 1
+    ties = [("embed.weight", "head.weight")] if kind == "tied" else []
+    strategy = nd.NDParallelStrategy(
+        pp=2, dp_shard=dp, loss_normalization=None if kind == "mean" else "token_mean", summary=False,
+        pipeline=nd.PipelineOptions(split_points=["layers.2"], microbatches=2, tied_parameters=ties),
+        plan=nd.ParallelPlan(fsdp_units=(nn.Linear,) if dp > 1 else ()),
+    )  # fmt: skip
+    return _fit(module, strategy, devices=2 * dp)
+
+
+@pytest.mark.parametrize("kind", ["pp", "pp_dp", "tied", "mean"])
+def test_a_pipeline_passes(kind):
+    """pp=2 (x dp_shard=2 with FSDP2), a tie across stages declared, and the mean of micro-batch means."""
+    results = run_on_ranks(4 if kind == "pp_dp" else 2, _pipeline_case, kind)
+    assert all(r["warned"] == [] for r in results), results[0]["warned"]
+    report = results[0]["report"]
+    assert "verdict: exact" in report and "in float64" in report, report
+    module = _TiedPipelinedLM() if kind == "tied" else _PipelinedLM()
+    names = dict(module.named_parameters(remove_duplicate=False))
+    assert f"(of {len(names)})" in report  # every parameter of both stages, by the unsplit model's names
+
+
+def _cp_case(kind: str) -> dict:
+    module = {"token_mean": _CausalLMModule, "sample_mean": _DiTModule, "local_positions": _LocalPositionsLM}[kind]()
+    normalization = "sample_mean" if kind == "sample_mean" else "token_mean"
+    return _fit(module, nd.NDParallelStrategy(dp_shard=2, cp=2, loss_normalization=normalization, summary=False))
+
+
+class _LocalPositionsLM(_CausalLMModule):
+    """The trap: each cp rank numbers its own part of the sequence from 0, not by its global positions."""
+
+    def training_step(self, batch, batch_idx):
+        cp = self.trainer.strategy.meshes["cp"]
+        rank, size = cp.get_local_rank(), cp.size()
+        (tokens, _), (labels, _) = (shard_sequence(t, rank, size, dim=1, load_balance=True) for t in batch)
+        positions = torch.arange(tokens.shape[1])
+        logits = self.model(tokens, positions, None, cp.get_group(), is_causal=True)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+
+
+@pytest.mark.parametrize("kind", ["token_mean", "sample_mean"])
+def test_context_parallel_passes(kind):
+    results = run_on_ranks(4, _cp_case, kind)
+    assert all(r["warned"] == [] for r in results), results[0]["warned"]
+    assert "verdict: exact" in results[0]["report"], results[0]["report"]
+
+
+@pytest.mark.parametrize(
+    ("case", "world", "named"),
+    [
+        ((_cp_case, "local_positions"), 4, "model.pos.weight"),  # position embeddings read at the wrong rows
+        ((_pipeline_case, "undeclared_tie"), 2, "head.weight"),  # tied across stages, not in tied_parameters
+    ],
+)
+def test_a_pipeline_or_context_parallel_trap_is_caught(case, world, named):
+    results = run_on_ranks(world, *case)
+    for result in results:
+        assert len(result["warned"]) == 1 and "MISMATCH" in result["warned"][0], result["warned"]
+    assert named in results[0]["report"], results[0]["report"]

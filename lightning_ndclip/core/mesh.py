@@ -174,8 +174,8 @@ class ParallelDims:
             _BUILT[key] = self._new_mesh(device_type)
         return _BUILT[key]
 
-    def _new_mesh(self, device_type: str) -> ParallelMeshes:
-        ranks = torch.arange(self.world_size, dtype=torch.int).reshape(self.shape)
+    def _new_mesh(self, device_type: str, first: int = 0) -> ParallelMeshes:
+        ranks = torch.arange(first, first + self.world_size, dtype=torch.int).reshape(self.shape)
         world = _WorldMesh(device_type, ranks, mesh_dim_names=MESH_DIM_NAMES)
         views = {name: flatten_mesh(world[dims], name) for name, dims in _FLATTENED.items()}
         experts = unflatten_mesh(views["dp_shard_cp"], 0, (self.dp_shard * self.cp // self.ep, self.ep), ("edp", "ep"))
@@ -192,3 +192,11 @@ class ParallelDims:
         """``pp=1 x dp_replicate=1 x dp_shard=4 x cp=1 x tp=2 (ep=1)``, for logs and errors."""
         dims = " x ".join(f"{n}={s}" for n, s in zip(MESH_DIM_NAMES, self.shape))
         return f"{dims} (ep={self.ep}) = {math.prod(self.shape)} ranks"
+
+
+def one_rank_meshes(device_type: str, rank: int = 0) -> ParallelMeshes:
+    """Meshes of one rank of the default process group, every dim and view of size 1: what a step replayed
+    on that rank alone reads (``meshes["cp"]`` of size 1). Collective: every rank calls it; the others get
+    meshes they are not in."""
+    return ParallelDims(world_size=1)._new_mesh(device_type, first=rank)
+

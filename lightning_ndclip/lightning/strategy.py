@@ -391,6 +391,11 @@ class NDParallelStrategy(ModelParallelStrategy):
         return self.meshes["pp"] if self._dims is not None and self._dims.pp > 1 else None
 
     @property
+    def pipeline_options(self) -> PipelineOptions:
+        """The ``pipeline`` options, with ``microbatches`` resolved (its default: the number of stages)."""
+        return dataclasses.replace(self._pp, microbatches=self._microbatches)
+
+    @property
     def tied_parameters(self) -> dict[str, torch.Tensor] | None:
         """``{key: this rank's copy}`` of the parameters tied across pipeline stages (for the norm)."""
         return None if self._pipeline is None else self._pipeline.tied_parameters

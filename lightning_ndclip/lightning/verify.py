@@ -21,12 +21,21 @@ total norm, prints a short report on rank 0, and on a mismatch raises ``ValueErr
 two parameters, a gradient ``k`` times the reference (a sum or mean over the wrong mesh dims), a
 parameter missing on one side.
 
+The replayed ``training_step`` sees, as ``self.trainer``, one process: its ``strategy`` has the same
+``loss_normalization``, ``meshes`` with every dim of size 1 (so a context-parallel step takes the whole
+sequence), and a ``run_pipeline`` that runs the unsplit model (``PipelineOptions.module``) on the
+whole batch and returns ``pipeline_loss`` (per-token losses or their sum as is; without
+``loss_normalization``, the mean of its means over the same pipeline micro-batches as the schedule);
+``self.log`` calls are dropped. With ``pp > 1``, each stage's gradients come to rank 0 from one rank
+of that stage, by the names of the unsplit model; parameters tied across stages
+(``PipelineOptions.tied_parameters``) count once in the norm.
+
 Limits: the plain module must fit in one process's CPU memory: rank 0 holds a copy of it from
 ``setup`` to the first step, and then the window's micro-batches, every gradient whole and the
 replay at once; randomness (dropout) must be off or drawn alike; the
 module's weights must be real when ``setup`` runs (not on the meta device; layers built in
-``configure_model`` are not in the copy); ``training_step`` must run without the trainer (its
-``self.log`` calls are dropped); no pipeline or context parallelism (refused at setup).
+``configure_model`` are not in the copy); ``training_step`` may use of the trainer only what the
+one-process stand-in above has.
 """
 
 from __future__ import annotations
@@ -50,6 +59,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_ndclip import _compat
+from lightning_ndclip.core.mesh import ParallelMeshes, one_rank_meshes
 from lightning_ndclip.core.tensor_parallel import tied_parameters
 from lightning_ndclip.lightning.callbacks import GlobalNormClip
 
@@ -82,6 +93,7 @@ class VerifyOneDevice(Callback):
         self._batches: list[tuple[int, Any]] = []
         self._outputs: list[float] = []
         self._grads: dict[str, torch.Tensor | None] | None = None
+        self._one_rank: ParallelMeshes | None = None
         self._done = False
         self._started = self._peak = 0.0
         self.report: str | None = None
@@ -92,8 +104,12 @@ class VerifyOneDevice(Callback):
         if stage != "fit" or self._done:
             return
         _refuse_unsupported(trainer, pl_module, self)
+        dims = getattr(trainer.strategy, "parallel_dims", None)
+        if dims is not None and (dims.pp > 1 or dims.cp > 1):  # steps that read the meshes: one-rank meshes
+            self._one_rank = one_rank_meshes(trainer.strategy.root_device.type)  # collective
         if trainer.global_rank == 0:  # the one process that replays
-            self._plain = copy.deepcopy(pl_module, memo={id(trainer): None}).cpu()
+            memo: dict[int, Any] = {id(trainer): None, id(pl_module.device_mesh): None}
+            self._plain = copy.deepcopy(pl_module, memo=memo).cpu()
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -107,16 +123,17 @@ class VerifyOneDevice(Callback):
         if self._done or self._grads is not None:
             return
         self._started, self._peak = time.perf_counter(), _peak_mb()
-        rank0 = trainer.global_rank == 0
+        keeper = _keeps_gradients(trainer)
+        pipeline = _pipeline_options(trainer)
         grads: dict[str, torch.Tensor | None] = {}
         whole: dict[int, torch.Tensor | None] = {}
         for name, param in pl_module.named_parameters(remove_duplicate=False):
-            if id(param) not in whole:  # one collective per parameter, on every rank alike
+            if id(param) not in whole:  # one collective per parameter, on every rank of its stage alike
                 grad = param.grad
                 full = grad.full_tensor() if isinstance(grad, DTensor) else grad
-                whole[id(param)] = full.detach().to("cpu", torch.float64) if rank0 and full is not None else None
-            grads[_WRAPPERS.sub("", name)] = whole[id(param)]
-        self._grads = grads
+                whole[id(param)] = full.detach().to("cpu", torch.float64, copy=True) if keeper and full is not None else None
+            grads[_plain_name(name, pipeline)] = whole[id(param)]
+        self._grads = grads if keeper else {}
 
     @override
     def on_train_batch_end(
@@ -130,16 +147,24 @@ class VerifyOneDevice(Callback):
             return
         self._done = True
         sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
-        mine = (int(sampler["rank"]), self._batches, self._outputs)
+        rank0 = trainer.global_rank == 0
+        dims = getattr(trainer.strategy, "parallel_dims", None)
+        cp_rank = trainer.strategy.meshes["cp"].get_local_rank() if getattr(dims, "cp", 1) > 1 else 0  # type: ignore[attr-defined]
+        # the data rank's micro-batches (its cp / tp / pp peers hold the same); this rank's losses (its cp peers'
+        # cover the other parts of the sequence); the gradients of this rank's pipeline stages
+        mine = (int(sampler["rank"]), cp_rank, self._batches, self._outputs, None if rank0 else self._grads)
         gathered: list[Any] = [mine]
         if trainer.world_size > 1:
             gathered = [None] * trainer.world_size
-            dist.all_gather_object(gathered, mine)
+            dist.gather_object(mine, gathered if rank0 else None, dst=0)
         verdict: list[Any] = [None]
-        if trainer.global_rank == 0:
-            by_data_rank = {rank: (batches, outs) for rank, batches, outs in reversed(gathered)}  # one per data rank
+        if rank0:
+            by_data_rank = {rank: batches for rank, _, batches, _, _ in gathered}
+            losses = {(rank, cp): sum(outs) for rank, cp, _, outs, _ in gathered}
+            for *_, stage_grads in gathered:
+                self._grads.update(stage_grads or {})
             try:
-                verdict[0] = self._compare(trainer, pl_module, [by_data_rank[r] for r in sorted(by_data_rank)])
+                verdict[0] = self._compare(trainer, pl_module, [by_data_rank[r] for r in sorted(by_data_rank)], losses)
             except Exception as error:  # the others wait in the broadcast below: they raise it too
                 verdict[0] = f"VerifyOneDevice could not replay the step on one process: {type(error).__name__}: {error}"
         if trainer.world_size > 1:
@@ -151,27 +176,27 @@ class VerifyOneDevice(Callback):
                 raise ValueError(problem)
             warnings.warn(problem, UserWarning, stacklevel=2)
 
-    def _compare(self, trainer: pl.Trainer, pl_module: pl.LightningModule, data: list[tuple[list, list[float]]]) -> str | None:
+    def _compare(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, data: list[list], losses: dict[tuple[int, int], float]
+    ) -> str | None:
         """Replay the window on the plain copy; print the report; the mismatch message, or ``None``."""
         assert self._plain is not None and self._grads is not None
-        strategy = trainer.strategy
-        reduction = getattr(strategy, "loss_reduction", "mean")
-        normalization = getattr(strategy, "loss_normalization", None)
-        normalized = normalization is not None
-        micro_batches = [b for batches, _ in data for b in batches]
-        plain, dtype, window_loss = _replay(self._plain, micro_batches, reduction, normalization)
+        stand_in = _OneProcessStrategy(trainer.strategy, self._one_rank)
+        normalized = stand_in.loss_normalization is not None
+        micro_batches = [b for batches in data for b in batches]
+        plain, dtype, window_loss = _replay(self._plain, micro_batches, _OneProcess(trainer, stand_in))
         reference = {_WRAPPERS.sub("", n): p.grad for n, p in plain.named_parameters(remove_duplicate=False)}
-        k = len(data[0][0])
-        parallel_loss = sum(sum(outs) for _, outs in data) / (1 if normalized else len(data))
+        k = len(data[0])
+        pipeline = _pipeline_options(trainer)
+        # Lightning reports each micro-batch's loss over k; a pipeline's is its share of the window already
+        parallel_loss = sum(losses.values()) * (k if pipeline else 1) / (1 if normalized else len(data))
         ref_loss = window_loss
         dtypes = {p.dtype for p in pl_module.parameters()}
         rtol = self.rtol if self.rtol is not None else max(_RTOL.get(d, 1e-4) for d in dtypes)
-        parallel_ties = [tuple(_WRAPPERS.sub("", n) for n in tie) for tie in tied_parameters(pl_module)]
+        stage_ties = [tuple(f"{pipeline.module}.{n}" for n in tie) for tie in pipeline.tied_parameters] if pipeline else []
+        parallel_ties = [tuple(_plain_name(n, pipeline) for n in tie) for tie in tied_parameters(pl_module)] + stage_ties
         rows = _rows(self._grads, reference, tied_parameters(plain), parallel_ties)
-        unique = {id(g): g for g in self._grads.values() if g is not None}
-        norm = math.sqrt(sum(float(g.square().sum()) for g in unique.values()))
-        ref_unique = {id(g): g for g in reference.values() if g is not None}
-        ref_norm = math.sqrt(sum(float(g.square().sum()) for g in ref_unique.values()))
+        norm, ref_norm = _total_norm(self._grads, stage_ties), _total_norm(reference, [])
         bad = [r for r in rows if r[1] > rtol]
         loss_err, norm_err = _relative(parallel_loss, ref_loss), _relative(norm, ref_norm)
         verdict = (
@@ -204,10 +229,6 @@ class VerifyOneDevice(Callback):
 def _refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, callback: VerifyOneDevice) -> None:
     """Refuse, the same on every rank, what the check cannot replay."""
     problems = []
-    dims = getattr(trainer.strategy, "parallel_dims", None)
-    for dim in ("pp", "cp"):
-        if getattr(dims, dim, 1) > 1:
-            problems.append(f"{dim}={getattr(dims, dim)} (pipeline and context parallelism are not replayed yet)")
     if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
         problems.append("training_step(dataloader_iter) reads its own batches")
     if any(p.is_meta for p in pl_module.parameters()):
@@ -219,6 +240,87 @@ def _refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, call
         problems.append("it comes after GlobalNormClip in callbacks (it must see the gradients before clipping)")
     if problems:
         raise ValueError("VerifyOneDevice cannot check this run: " + "; ".join(problems))
+
+
+class _OneProcessStrategy:
+    """The strategy a replayed step sees: the run's loss normalization, on one process."""
+
+    world_size, global_rank, local_rank = 1, 0, 0
+    root_device = torch.device("cpu")
+
+    def __init__(self, strategy: Any, one_rank: ParallelMeshes | None) -> None:
+        self.loss_normalization = getattr(strategy, "loss_normalization", None)
+        self.loss_reduction = getattr(strategy, "loss_reduction", "mean")
+        self.pipeline_options = getattr(strategy, "pipeline_options", None)
+        self._one_rank = one_rank
+        self.world_mesh = None if one_rank is None else one_rank.world
+        self.module: Any = None  # the replayed copy
+
+    @property
+    def meshes(self) -> ParallelMeshes:
+        if self._one_rank is None:
+            raise RuntimeError("VerifyOneDevice builds one-rank meshes for a replayed step only when pp or cp > 1")
+        return self._one_rank
+
+    def run_pipeline(self, inputs: Any = None, target: Any = None) -> torch.Tensor:
+        """The unsplit model on the whole batch: ``pipeline_loss`` as is (per-token losses or a sum);
+        without loss normalization, the mean of its means over the schedule's micro-batches."""
+        options = self.pipeline_options
+        if options is None or options.module is None:
+            raise RuntimeError("run_pipeline needs NDParallelStrategy(pp > 1)")
+        model, loss_of = getattr(self.module, options.module), self.module.pipeline_loss
+        if self.loss_normalization is not None:
+            return loss_of(model(inputs), target)
+        chunks = options.microbatches
+        split = [apply_to_collection(v, torch.Tensor, lambda t: t.tensor_split(chunks)) for v in (inputs, target)]
+        return torch.stack([loss_of(model(x), y) for x, y in zip(*split)]).mean()
+
+
+class _OneProcess:
+    """What a replayed step sees as ``self.trainer``: one process in training; ``self.log`` is dropped
+    (``barebones``)."""
+
+    barebones, training = True, True
+    world_size = num_devices = num_nodes = 1
+    global_rank = local_rank = node_rank = 0
+
+    def __init__(self, trainer: pl.Trainer, strategy: _OneProcessStrategy) -> None:
+        self.strategy = strategy
+        self.current_epoch, self.global_step = trainer.current_epoch, trainer.global_step
+        self.accumulate_grad_batches = trainer.accumulate_grad_batches
+
+
+def _pipeline_options(trainer: pl.Trainer) -> Any:
+    """The run's ``PipelineOptions`` when ``pp > 1``, else ``None``."""
+    dims = getattr(trainer.strategy, "parallel_dims", None)
+    return trainer.strategy.pipeline_options if getattr(dims, "pp", 1) > 1 else None  # type: ignore[attr-defined]
+
+
+def _keeps_gradients(trainer: pl.Trainer) -> bool:
+    """Whether this rank keeps the gradients it gathers whole: rank 0, and with ``pp > 1`` one rank of
+    every stage (all its coordinates but ``pp`` zero)."""
+    if _pipeline_options(trainer) is None:
+        return trainer.global_rank == 0
+    world = trainer.strategy.meshes.world  # type: ignore[attr-defined]
+    coordinates = zip(world.mesh_dim_names or (), world.get_coordinate() or ())
+    return all(c == 0 for name, c in coordinates if name != "pp")
+
+
+def _plain_name(name: str, pipeline: Any) -> str:
+    """A parallel parameter's name in the plain module: wrappers left out, and with ``pp > 1`` the stage
+    index the pipeline puts after ``PipelineOptions.module`` (``model.1.layers.2.w`` -> ``model.layers.2.w``)."""
+    name = _WRAPPERS.sub("", name)
+    if pipeline is not None:
+        name = re.sub(rf"^{re.escape(pipeline.module)}\.\d+\.", f"{pipeline.module}.", name)
+    return name
+
+
+def _total_norm(grads: Mapping[str, torch.Tensor | None], ties: list[tuple[str, ...]]) -> float:
+    """The 2-norm of every gradient, a tensor held under several names counted once, and so the copies
+    of a parameter tied across pipeline stages (``ties``, which hold the same summed gradient)."""
+    copies = {name for tie in ties for name in [n for n in tie if n in grads][1:]}
+    unique = {id(g): g for name, g in grads.items() if g is not None and name not in copies}
+    return math.sqrt(sum(float(g.square().sum()) for g in unique.values()))
 
 
 def _peak_mb() -> float:
@@ -235,14 +337,17 @@ def _on_cpu(batch: Any) -> Any:
 
 
 def _replay(
-    plain: pl.LightningModule, batches: list[tuple[int, Any]], reduction: str, normalization: str | None
+    plain: pl.LightningModule, batches: list[tuple[int, Any]], trainer: _OneProcess
 ) -> tuple[pl.LightningModule, torch.dtype, float]:
     """A copy of ``plain`` holding the window's gradient, in float64 if the module runs in it (else
     float32), its dtype and the window's loss."""
     for dtype in (torch.float64, torch.float32):
         model = copy.deepcopy(plain).to(dtype).train()
+        model.trainer = trainer  # type: ignore[assignment]  # the copy's, never the user's module
+        trainer.strategy.module = model
+        _compat.set_device_mesh(model, trainer.strategy.world_mesh)
         try:
-            return model, dtype, _accumulate(model, batches, reduction, normalization, dtype)
+            return model, dtype, _accumulate(model, batches, trainer.strategy, dtype)
         except (RuntimeError, TypeError):
             if dtype == torch.float32:
                 raise
@@ -250,36 +355,44 @@ def _replay(
 
 
 def _accumulate(
-    model: pl.LightningModule, batches: list[tuple[int, Any]], reduction: str, normalization: str | None, dtype: torch.dtype
+    model: pl.LightningModule, batches: list[tuple[int, Any]], strategy: _OneProcessStrategy, dtype: torch.dtype
 ) -> float:
     """Run ``training_step`` on every micro-batch, its loss weighted as one device would weigh it, and
     backward; returns the window's loss."""
     cast = [(i, apply_to_collection(b, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)) for i, b in batches]
-    weights = _sample_weights(model, cast) if normalization == "sample_mean" else _batch_weights(model, cast, reduction)
+    if strategy.loss_normalization == "sample_mean":
+        weights: list[Any] = _sample_weights(model, cast)
+    else:
+        weights = _token_weights(model, cast, strategy.loss_reduction)
     window = torch.zeros((), dtype=torch.float64)
     with torch.enable_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # self.log without a trainer
+        warnings.simplefilter("ignore")  # self.log on the stand-in trainer
         with_index = is_param_in_hook_signature(model.training_step, "batch_idx", min_args=2)
         for (batch_idx, batch), weight in zip(cast, weights):
             out = model.training_step(batch, batch_idx) if with_index else model.training_step(batch)
             loss = out["loss"] if isinstance(out, Mapping) else out
             if not isinstance(loss, torch.Tensor):  # None: a skipped micro-batch, as Lightning skips it
                 continue
-            weighted = (loss * weight.to(loss.dtype)).sum()
+            weighted = weight(loss) if callable(weight) else (loss * weight.to(loss.dtype)).sum()
             weighted.backward()
             window += weighted.detach().double()
     return float(window)
 
 
-def _batch_weights(model: pl.LightningModule, batches: list[tuple[int, Any]], reduction: str) -> list[torch.Tensor]:
-    """Each micro-batch's weight: its tokens over the window's (its mean loss becomes its share of the
-    token mean; ``1 / tokens`` for a summed loss) with ``count_tokens``, else ``1 / micro-batches``."""
+def _token_weights(model: pl.LightningModule, batches: list[tuple[int, Any]], reduction: str) -> list[Any]:
+    """Each micro-batch's share of the window's loss, as a function of its loss: with ``count_tokens``,
+    the token mean (per-token losses or a sum over the window's tokens; a mean times its tokens over
+    them); else the mean of the micro-batch losses."""
     counter = getattr(model, "count_tokens", None)
     if not callable(counter):
         return [torch.tensor(1.0 / len(batches), dtype=torch.float64)] * len(batches)
     counts = [float(counter(b)) for _, b in batches]
-    total = sum(counts)
-    return [torch.tensor((1.0 if reduction == "sum" else n) / total, dtype=torch.float64) for n in counts]
+    total = max(sum(counts), 1.0)
+
+    def share(n: float) -> Any:
+        return lambda loss: loss.sum() / total if loss.dim() or reduction == "sum" else loss * (n / total)
+
+    return [share(n) for n in counts]
 
 
 def _sample_weights(model: pl.LightningModule, batches: list[tuple[int, Any]]) -> list[torch.Tensor]:
