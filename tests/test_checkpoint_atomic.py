@@ -254,7 +254,7 @@ def _unreadable_check_case(directory: str) -> str:
 
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from lightning_ndclip.core._checkpoint import refuse_incomplete_checkpoint
+    from lightning_ndclip.lightning._checkpoint import refuse_incomplete_checkpoint
 
     path = Path(directory) / "odd.ckpt"
     if dist.get_rank() == 0:  # a .metadata whose storage entries have no relative_path: the check itself fails

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ndclip.core import _checkpoint
+from lightning_ndclip.lightning import _checkpoint
 
 # the checkpoint format is Lightning's (its meta.pt name comes from Lightning: issue 30 moves this module to the
 # Lightning layer)

@@ -3,6 +3,7 @@ core that imports without Lightning."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -47,3 +48,48 @@ def test_the_pure_pytorch_core_imports_without_lightning():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "GlobalNormClip needs" in done.stdout
+
+
+_LIGHTNING_ROOTS = ("lightning", "pytorch_lightning", "lightning_utilities", "torchmetrics", "lightning_ndclip.lightning")
+
+
+def _lightning_imports(source: str) -> list[str]:
+    """What ``source`` imports from Lightning, at any depth (a function's lazy import included): modules,
+    ``lightning_ndclip._compat`` helpers that reach a Lightning name, and module names given as strings
+    (``importlib.import_module("lightning...")``)."""
+    from lightning_ndclip._compat import PRIVATE_NAMES
+
+    def is_lightning(module: str) -> bool:
+        return any(module == root or module.startswith(f"{root}.") for root in _LIGHTNING_ROOTS)
+
+    lightning_helpers = {name for name, targets in PRIVATE_NAMES.items() if any(is_lightning(t.split(":")[0]) for t in targets)}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if is_lightning(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if is_lightning(node.module):
+                found.append(node.module)
+            elif node.module == "lightning_ndclip._compat":
+                found += [f"_compat.{a.name}" for a in node.names if a.name in lightning_helpers]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "_compat":
+            if node.attr in lightning_helpers:
+                found.append(f"_compat.{node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and is_lightning(node.value):
+            found.append(node.value)
+    return found
+
+
+def test_the_core_reaches_no_lightning_name_directly_or_lazily():
+    """The layering rule of docs/architecture.md, checked on the source: the core-only CI job catches an import
+    that runs at import time or in a tested path; this also catches one deferred into a function."""
+    core = Path(lightning_ndclip.__file__).parent / "core"
+    found = {str(p.relative_to(core)): _lightning_imports(p.read_text()) for p in sorted(core.rglob("*.py"))}
+    assert {name: imports for name, imports in found.items() if imports} == {}
+    # the check can fail: a lazy import, a Lightning helper of _compat, a module named by a string
+    planted = (
+        "def f():\n    from lightning.pytorch import Trainer\n"
+        "def g():\n    return _compat.metadata_filename()\n"
+        "h = importlib.import_module('lightning.fabric')\n"
+    )
+    assert _lightning_imports(planted) == ["lightning.pytorch", "lightning.fabric", "_compat.metadata_filename"]

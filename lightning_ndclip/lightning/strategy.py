@@ -40,11 +40,6 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from typing_extensions import override
 
 from lightning_ndclip import _compat
-from lightning_ndclip.core._checkpoint import (
-    file_system_path,
-    refuse_incomplete_checkpoint,
-    save_distributed_checkpoint_atomically,
-)
 from lightning_ndclip.core.agree import call_hook, run_agreed
 from lightning_ndclip.core.coverage import check_data_parallel_reduction
 from lightning_ndclip.core.hf import transformers_models
@@ -57,6 +52,11 @@ from lightning_ndclip.core.reduce import use_sum_reduction
 from lightning_ndclip.core.replicas import broadcast_replicas_, check_replica_gradients
 from lightning_ndclip.core.summary import ParallelSummary, summarize
 from lightning_ndclip.core.tensor_parallel import check_ties, tied_parameters
+from lightning_ndclip.lightning._checkpoint import (
+    file_system_path,
+    refuse_incomplete_checkpoint,
+    save_distributed_checkpoint_atomically,
+)
 from lightning_ndclip.lightning._pipeline import PipelineRunner
 from lightning_ndclip.lightning._windows import LossWindows, as_count, as_sample_ids
 from lightning_ndclip.lightning.metrics import GlobalMeanLoss
@@ -771,7 +771,7 @@ class NDParallelStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """As Lightning's ModelParallelStrategy, but a distributed checkpoint is never written in place: the
         ranks write a fresh sibling directory that rank 0 completes and swaps in, so a fault leaves the old or
-        the new checkpoint at ``filepath``, never a mix (:mod:`lightning_ndclip.core._checkpoint`). A full
+        the new checkpoint at ``filepath``, never a mix (:mod:`lightning_ndclip.lightning._checkpoint`). A full
         checkpoint (``save_distributed_checkpoint=False``) is Lightning's, written atomically by rank 0; an
         error there is raised on rank 0 and, as an :class:`~lightning_ndclip.core.agree.AgreedError`
         naming it, on every other rank. A URL
