@@ -87,3 +87,19 @@ def test_half_precision_losses_keep_their_share_and_gradients_for_large_counts(d
     losses = torch.full((4096,), 2.0, dtype=dtype)
     weighted = loss_share(losses, weights)
     torch.testing.assert_close(weighted.double(), (2.0 * weights).sum(), rtol=1e-2, atol=0)
+
+
+def test_a_micro_batch_share_applies_the_rule_and_narrows_to_a_pipelines_rows():
+    """MicroBatchShare, the value the strategy and its pipeline take: its three forms; a pipeline's rows take
+    their weights, and a token-mean share loses its local count there (a scalar mean over rows is refused)."""
+    from lightning_ndclip.core.loss import MicroBatchShare
+
+    per_token = torch.rand(4, 3, dtype=torch.float64)
+    share = MicroBatchShare(_count(40), local_tokens=torch.tensor(12))
+    assert torch.equal(share.apply(per_token.mean()), per_token.sum() / 40)  # a mean over its 12 tokens
+    with pytest.raises(ValueError, match="pipeline_loss"):
+        share.of_rows(None).apply(per_token.mean(), source="pipeline_loss")
+    weights = torch.rand(4, 3, dtype=torch.float64)
+    rows = torch.tensor([1, 3])
+    assert torch.equal(MicroBatchShare(weights).of_rows(rows).apply(per_token[rows]), (per_token[rows] * weights[rows]).sum())
+    assert torch.equal(MicroBatchShare(0.25).apply(per_token), per_token.sum() * 0.25)  # a mean of means' factor

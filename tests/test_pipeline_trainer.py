@@ -487,7 +487,7 @@ def _loss_error_case(normalization: str, dp_shard: int) -> tuple[str, str, str]:
 @pytest.mark.parametrize(
     "normalization,error,text,dp_shard",
     [
-        ("sample_mean", "ValueError", "pipeline_loss must return per-token losses", 1),
+        ("sample_mean", "ValueError", "pipeline_loss (pp > 1) must return per-token losses", 1),
         ("token_mean", "KeyError", "'logits'", 1),
         ("token_mean", "KeyError", "'logits'", 2),
     ],

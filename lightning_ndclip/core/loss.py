@@ -25,7 +25,7 @@ contributes zero; a window with no valid token anywhere gives a zero loss and ze
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from lightning_ndclip.core.agree import raise_agreed
 
 __all__ = [
+    "MicroBatchShare",
     "SampleWeights",
     "TokenCount",
     "count_valid_tokens",
@@ -171,6 +172,47 @@ def loss_share(
     loss_sum = local_loss_sum(loss, local_tokens=local_tokens, reduction=reduction, source=source)
     share = (loss_sum / normalization.total.clamp(min=1).to(wide)).to(loss.dtype)
     return share if normalization.invalid is None else torch.where(normalization.invalid > 0, torch.nan, share)
+
+
+@dataclass(frozen=True)
+class MicroBatchShare:
+    """How one micro-batch's loss becomes its share of the optimizer step's loss: the one value a
+    training loop hands its loss scaling (Lightning's ``NDParallelStrategy`` makes one per micro-batch
+    and gives it to its ``training_step`` and its pipeline).
+
+    Attributes:
+        normalization: the step's :class:`TokenCount` (the global token mean); this micro-batch's
+            per-token weights (the per-sample mean: its entry of :attr:`SampleWeights.weights`); or a
+            plain factor (no loss normalization: a mean of micro-batch means, e.g. ``1 / k``).
+        local_tokens: this micro-batch's valid tokens, for a scalar mean under the token mean
+            (``None`` where its own count is unknown: a cp shard, a pipeline's micro-batch).
+        reduction: what a scalar loss is under the token mean: ``"mean"`` or ``"sum"``.
+        ends_window: whether the optimizer step follows this micro-batch.
+    """
+
+    normalization: TokenCount | torch.Tensor | float
+    local_tokens: torch.Tensor | None = None
+    reduction: str = "mean"
+    ends_window: bool = True
+
+    @property
+    def weights(self) -> torch.Tensor | None:
+        """The per-token weights of the per-sample mean, or ``None``."""
+        return self.normalization if isinstance(self.normalization, torch.Tensor) else None
+
+    def apply(self, loss: torch.Tensor, source: str = "the loss") -> torch.Tensor:
+        """``loss``'s share (:func:`loss_share`; with a plain factor, the loss, or the sum of per-token
+        losses, times it)."""
+        if isinstance(self.normalization, float):
+            return (loss if loss.dim() == 0 else loss.sum()) * self.normalization
+        return loss_share(loss, self.normalization, local_tokens=self.local_tokens, reduction=self.reduction, source=source)
+
+    def of_rows(self, rows: torch.Tensor | None) -> MicroBatchShare:
+        """The share of some rows of this micro-batch (a pipeline's micro-batch): the per-token weights at
+        ``rows``; any other share without a local count (those rows' own is unknown)."""
+        if self.weights is not None and rows is not None:
+            return replace(self, normalization=self.weights[rows])
+        return replace(self, local_tokens=None)
 
 
 def local_loss_sum(

@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_ndclip._compat import tree_leaves
 from lightning_ndclip.core.agree import AgreedError, raise_agreed
-from lightning_ndclip.core.loss import TokenCount, loss_share
+from lightning_ndclip.core.loss import MicroBatchShare
 from lightning_ndclip.core.mesh import ParallelMeshes
 from lightning_ndclip.core.parallelism import ParallelPlan
 from lightning_ndclip.core.pipeline import (
@@ -58,15 +58,9 @@ class PipelineRunner:
         self.device = device
         self.meshes: ParallelMeshes | None = None
         self.schedule: Any = None  # a torch.distributed.pipelining schedule, once set up
-        # multiplies pipeline_loss: micro-batch means -> their share of the window's mean
-        self.loss_scale: float | torch.Tensor = 1.0
-        # token_mean: the window's count; pipeline_loss returns per-token losses or (loss_reduction
-        # "sum") their sum, and a micro-batch's loss is its share of the global token mean
-        self.token_count: TokenCount | None = None
-        self.loss_reduction = "mean"
-        # sample_mean: per-token weights of the batch (rows like the target's); pipeline_loss then
-        # returns per-token losses and a micro-batch's loss is their weighted sum
-        self.token_weights: torch.Tensor | None = None
+        # this batch's share of its window (set by the strategy before each training_step)
+        self.share = MicroBatchShare(1.0)
+        self._share = self.share  # what this batch's schedule scales by (evaluation: a plain sum)
         self._target: torch.Tensor | None = None  # the batch's target, indexed by the row ids the schedule splits
         self._module: Any = None  # the LightningModule (it defines pipeline_loss)
         self._loss_error: Exception | None = None  # the first pipeline_loss error of this batch
@@ -210,15 +204,10 @@ class PipelineRunner:
             return sum((t.sum() * 0.0 for t in leaves), torch.zeros((), device=self.device))
 
     def _scaled_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        weights, count = self.token_weights, self.token_count
-        if count is not None:
-            loss = self._module.pipeline_loss(output, target)
-            return loss_share(loss, count, reduction=self.loss_reduction, source="pipeline_loss (pp > 1)")
-        if weights is None or self._target is None:
-            loss = self._module.pipeline_loss(output, target)
-            return (loss if loss.dim() == 0 else loss.sum()) * self.loss_scale
-        rows = target  # the schedule split row ids, not the target: look the micro-batch's rows up
-        return loss_share(self._module.pipeline_loss(output, self._target[rows]), weights[rows], source="pipeline_loss")
+        share, rows = self._share, None
+        if share.weights is not None and self._target is not None:  # the schedule split row ids: look them up
+            rows, target = target, self._target[target]
+        return share.of_rows(rows).apply(self._module.pipeline_loss(output, target), source="pipeline_loss (pp > 1)")
 
     @contextmanager
     def gradients_aside(self, module: nn.Module, window_ends: bool) -> Iterator[None]:
@@ -264,14 +253,15 @@ class PipelineRunner:
         pp_mesh = self._meshes["pp"]
         rank, size = pp_mesh.get_local_rank(), pp_mesh.size()
         run = self.schedule.step if training else self.schedule.eval
-        if not training:  # evaluation: the plain sum of pipeline_loss over micro-batches
-            self.loss_scale, self.token_weights, self.token_count = 1.0, None, None
+        # evaluation: the plain sum of pipeline_loss over micro-batches
+        self._share = self.share if training else MicroBatchShare(1.0)
         self._target, self._loss_error = None, None
-        if self.token_weights is not None:  # checked on every rank (all get the target): none is left waiting
-            if not isinstance(target, torch.Tensor) or target.shape[0] != self.token_weights.shape[0]:
+        weights = self._share.weights
+        if weights is not None:  # checked on every rank (all get the target): none is left waiting
+            if not isinstance(target, torch.Tensor) or target.shape[0] != weights.shape[0]:
                 raise ValueError(
                     "with loss_normalization='sample_mean', run_pipeline needs a target tensor with one row "
-                    f"per row of sample ids ({self.token_weights.shape[0]}), got "
+                    f"per row of sample ids ({weights.shape[0]}), got "
                     f"{tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__}"
                 )
             if rank == size - 1:

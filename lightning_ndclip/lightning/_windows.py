@@ -4,13 +4,15 @@ The exact global mean over an optimizer step needs the token (or per-sample) cou
 micro-batch of the step before the first backward. :class:`LossWindows` wraps the training
 dataloader: when ``training_step`` reaches a window's first batch, it reads the window's other
 batches ahead, synchronizes its counts over the loss dims (one all-reduce for tokens, two for
-samples), and then yields the batches one by one, remembering each batch's scale.
+samples), and then yields the batches one by one, remembering each batch's
+:class:`~lightning_ndclip.core.loss.MicroBatchShare`.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import replace
 from functools import partial
 from itertools import islice
 from typing import TYPE_CHECKING, Any
@@ -19,7 +21,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_ndclip.core.agree import call_hook
-from lightning_ndclip.core.loss import sync_sample_weights, sync_token_count
+from lightning_ndclip.core.loss import MicroBatchShare, sync_sample_weights, sync_token_count
 
 if TYPE_CHECKING:
     from lightning_ndclip.lightning.strategy import NDParallelStrategy
@@ -56,7 +58,7 @@ class LossWindows:
         self.dataloader = dataloader
         self._strategy = strategy
         self._trainer = trainer
-        self._windows: dict[int, tuple[Any, bool]] = {}  # batch_idx -> (normalization, ends its window)
+        self._windows: dict[int, MicroBatchShare] = {}  # batch_idx -> its share of its window
         self._source: Iterator[Any] = iter(())
         self._unwindowed: dict[int, Any] = {}  # batches read whose window is not decided yet
         self._ahead: deque[Any] = deque()  # batches read for a window, not yet yielded
@@ -71,10 +73,9 @@ class LossWindows:
     def __getattr__(self, name: str) -> Any:  # sampler, batch_size, ... of the wrapped loader
         return getattr(self.__dict__["dataloader"], name)
 
-    def window_of(self, batch_idx: int) -> tuple[Any, bool]:
-        """The normalization of ``batch_idx`` (``(TokenCount of the window, this batch's local
-        count)``, or its per-token sample weights) and whether it is the window's last batch. Called
-        for a window's first batch, decides the window: reads its other batches and syncs the counts."""
+    def window_of(self, batch_idx: int) -> MicroBatchShare:
+        """How the loss of ``batch_idx`` becomes its share of its window's loss. Called for a window's
+        first batch, decides the window: reads its other batches and syncs the counts."""
         if batch_idx not in self._windows and batch_idx == self._window[1]:
             self._decide_window(batch_idx)
         try:
@@ -93,8 +94,8 @@ class LossWindows:
             self._ahead.append(self._unwindowed[self._next_read - 1])
         end = min(end, self._next_read)
         window = [self._unwindowed.pop(i) for i in range(start, end)]
-        for position, scale in enumerate(self._scales(window)):
-            self._windows[start + position] = (scale, start + position == end - 1)
+        for position, share in enumerate(self._shares(window)):
+            self._windows[start + position] = replace(share, ends_window=start + position == end - 1)
         self._window = (start, end)
         self._forget_before(start)
 
@@ -116,14 +117,14 @@ class LossWindows:
     def _forget_before(self, batch_idx: int) -> None:
         """Called once a window starting at ``batch_idx`` is decided: Lightning is past the earlier ones."""
 
-    def _scales(self, window: list[Any]) -> list[Any]:
-        """The window's normalization per batch. The LightningModule's hooks run through
+    def _shares(self, window: list[Any]) -> list[MicroBatchShare]:
+        """The window's batches' shares (``ends_window`` left to the caller). The LightningModule's hooks run through
         :func:`~lightning_ndclip.core.agree.call_hook`: an exception or an unusable value on any rank
         becomes the same error on every rank of the count's all-reduce, which carries the flag."""
         module: Any = self._strategy.lightning_module  # a LightningModule with the hooks of its normalization
         meshes, device = self._strategy.meshes, self._strategy.root_device
         problems: list[str] = []
-        if self._strategy._loss_normalization == "token_mean":
+        if self._strategy.loss_normalization == "token_mean":
             counts = []
             for m, batch in enumerate(window):
                 hook, check = partial(module.count_tokens, batch), partial(as_count, device=device)
@@ -134,7 +135,10 @@ class LossWindows:
             total = sync_token_count(counts, group=meshes["dp"].get_group(), problem="; ".join(problems) or None)
             if self.first_window is None:
                 self.first_window = (total.total, "tokens", len(window))
-            return [(total, local) for local in counts]
+            reduction = self._strategy.loss_reduction
+            if meshes["cp"].size() > 1:  # count_tokens counts the raw batch: a cp shard's own count is unknown
+                return [MicroBatchShare(total, reduction=reduction) for _ in counts]
+            return [MicroBatchShare(total, local_tokens=local, reduction=reduction) for local in counts]
         described = []
         for m, batch in enumerate(window):
             ids, problem = call_hook(
@@ -153,7 +157,7 @@ class LossWindows:
         )
         if self.first_window is None:
             self.first_window = (weights.num_samples, "samples", len(window))
-        return weights.weights
+        return [MicroBatchShare(w) for w in weights.weights]
 
     def __iter__(self) -> Iterator[Any]:
         limit = self._trainer.num_training_batches

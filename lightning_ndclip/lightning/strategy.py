@@ -44,7 +44,7 @@ from lightning_ndclip.core.agree import call_hook, run_agreed
 from lightning_ndclip.core.coverage import check_data_parallel_reduction
 from lightning_ndclip.core.hf import transformers_models
 from lightning_ndclip.core.hf_checkpoint import load_hf_checkpoint
-from lightning_ndclip.core.loss import local_loss_sum, loss_share, sync_sample_weights
+from lightning_ndclip.core.loss import MicroBatchShare, local_loss_sum, loss_share, sync_sample_weights
 from lightning_ndclip.core.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError
 from lightning_ndclip.core.parallelism import ParallelPlan, shared_parameters
 from lightning_ndclip.core.pipeline import PipelineOptions
@@ -266,7 +266,6 @@ class NDParallelStrategy(ModelParallelStrategy):
             )
         self._microbatches = self._pp.microbatches or stages
         self._pipeline: PipelineRunner | None = None
-        self._window_scale: torch.Tensor | None = None
         self._windows: LossWindows | None = None
         self._dims: ParallelDims | None = None
         self._meshes: ParallelMeshes | None = None
@@ -375,15 +374,6 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._ties = tied_parameters(self._module)
         with super().model_sharded_context():
             yield
-
-    @property
-    def window_tokens(self) -> torch.Tensor:
-        """With ``loss_normalization="token_mean"``: the global valid-token count of the current
-        accumulation window (0-dim tensor), e.g. to log ``loss_sum / window_tokens`` as this rank's
-        exact share of the window's mean loss."""
-        if self._loss_normalization != "token_mean" or self._window_scale is None:
-            raise RuntimeError("window_tokens is known inside training_step with loss_normalization='token_mean'")
-        return self._window_scale
 
     @property
     def pipeline_mesh(self) -> DeviceMesh | None:
@@ -607,51 +597,56 @@ class NDParallelStrategy(ModelParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Runs ``training_step`` with FSDP2 reducing only on the last micro-batch of an accumulation
-        window and, with ``loss_normalization``, scales its loss sum to a share of the global mean."""
-        module = self._module
-        trainer = module.trainer
-        k = trainer.accumulate_grad_batches
-        automatic = module.automatic_optimization
-        pipeline = self._pipeline
-        scale: Any = None
-        if self._windows is None:
-            last = not (automatic and _compat.should_accumulate(trainer))
-            self._set_gradient_sync(last)
-            if pipeline is None:
-                return super().training_step(*args, **kwargs)
-            pipeline.loss_scale = 1.0 / (self._microbatches * k)  # micro-batch means -> window mean
-        else:
-            scale, last = self._windows.window_of(self._batch_idx)
-            if not self._counts_told and self._windows.first_window is not None:
-                self._counts_told = True
-                count, kind, batches = self._windows.first_window  # read to the host once, only when told
-                rank_zero_info(
-                    f"lightning_ndclip: the first optimizer step counts {int(count)} {kind} in {batches} "
-                    "micro-batch(es) of every data rank"
-                )
-            self._set_gradient_sync(last)
-            if self._loss_normalization == "token_mean":
-                self._window_scale = scale[0].total
-            if pipeline is not None and self._loss_normalization == "token_mean":
-                pipeline.token_count, pipeline.loss_reduction = scale[0], self._loss_reduction
-            elif pipeline is not None:  # sample_mean: per-token losses x weights, no Lightning division
-                pipeline.loss_scale, pipeline.token_weights = 1.0, scale
-        if pipeline is not None and automatic:
-            # the schedule runs backward inside training_step; Lightning zeroes gradients after it and
-            # then calls backward: the step's gradients wait aside until backward() adds them back
-            with pipeline.gradients_aside(module, window_ends=last):
-                output = super().training_step(*args, **kwargs)
-        elif pipeline is not None:
-            output = super().training_step(*args, **kwargs)
-            if last:
-                pipeline.window_complete()
-        else:
-            output = self._normalized(super().training_step(*args, **kwargs), scale, k)
-        if scale is not None:  # the loss share of this micro-batch: the pipeline's is not multiplied by k
-            self._log_window_loss(output, k if pipeline is None else 1, last)
+        window and, with ``loss_normalization``, scales its loss to its share of the global mean."""
+        share = self._micro_batch_share()
+        self._set_gradient_sync(share.ends_window)
+        if self._pipeline is not None:
+            return self._pipelined_step(share, *args, **kwargs)
+        if self._windows is None:  # Lightning's mean of micro-batch means: Lightning divides by k itself
+            return super().training_step(*args, **kwargs)
+        k = self._module.trainer.accumulate_grad_batches
+        output = self._normalized(super().training_step(*args, **kwargs), share, k)
+        self._log_window_loss(output, k, share.ends_window)
         return output
 
-    def _normalized(self, output: Any, scale: Any, k: int) -> Any:
+    def _micro_batch_share(self) -> MicroBatchShare:
+        """This micro-batch's share of its window: from the loss windows, or without loss normalization
+        a mean of micro-batch means (``1 / k``; for a pipeline, of its ``m`` micro-batches: ``1 / (m k)``)."""
+        module = self._module
+        trainer = module.trainer
+        if self._windows is None:
+            last = not (module.automatic_optimization and _compat.should_accumulate(trainer))
+            return MicroBatchShare(1.0 / (self._microbatches * trainer.accumulate_grad_batches), ends_window=last)
+        share = self._windows.window_of(self._batch_idx)
+        if not self._counts_told and self._windows.first_window is not None:
+            self._counts_told = True
+            count, kind, batches = self._windows.first_window  # read to the host once, only when told
+            rank_zero_info(
+                f"lightning_ndclip: the first optimizer step counts {int(count)} {kind} in {batches} "
+                "micro-batch(es) of every data rank"
+            )
+        return share
+
+    def _pipelined_step(self, share: MicroBatchShare, *args: Any, **kwargs: Any) -> Any:
+        """``training_step`` around ``run_pipeline``, which runs forward and backward: the pipeline scales
+        each of its micro-batches' losses by ``share``; Lightning divides no further."""
+        pipeline, module = self._pipeline, self._module
+        assert pipeline is not None
+        pipeline.share = share
+        if module.automatic_optimization:
+            # Lightning zeroes gradients after training_step and then calls backward: the step's
+            # gradients wait aside until backward() adds them back
+            with pipeline.gradients_aside(module, window_ends=share.ends_window):
+                output = super().training_step(*args, **kwargs)
+        else:
+            output = super().training_step(*args, **kwargs)
+            if share.ends_window:
+                pipeline.window_complete()
+        if self._windows is not None:
+            self._log_window_loss(output, 1, share.ends_window)
+        return output
+
+    def _normalized(self, output: Any, share: MicroBatchShare, k: int) -> Any:
         """``training_step``'s loss as its share of the global mean, times ``k`` (Lightning divides by
         ``accumulate_grad_batches`` before backward)."""
         if isinstance(output, Mapping) and "loss" not in output:
@@ -662,16 +657,10 @@ class NDParallelStrategy(ModelParallelStrategy):
                 f"with loss_normalization={self._loss_normalization!r}, training_step must return its loss (a "
                 f"tensor, or a dict with a 'loss' tensor), got {type(loss).__name__}"
             )
-        if self._loss_normalization == "token_mean":
-            count, local = scale
-            if self.parallel_dims.cp > 1:  # count_tokens(batch) counts the raw batch, not this rank's shard
-                local, source = None, "training_step (cp > 1: count_tokens counts the raw batch, not this shard)"
-            else:
-                source = "training_step"
-            scaled = loss_share(loss, count, local_tokens=local, reduction=self._loss_reduction, source=source)
-        else:
-            scaled = loss_share(loss, scale, source="training_step")
-        scaled = scaled * k
+        source = "training_step"
+        if self._loss_normalization == "token_mean" and self.parallel_dims.cp > 1:
+            source += " (cp > 1: count_tokens counts the raw batch, not this shard)"
+        scaled = share.apply(loss, source=source) * k
         return {**output, "loss": scaled} if isinstance(output, Mapping) else scaled
 
     def _log_window_loss(self, output: Any, k: int, last: bool) -> None:
