@@ -36,6 +36,9 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "first_k_dense_replace": 1, "n_shared_experts": 1}),
 }
 
+MOE = ["Mixtral", "Qwen3-MoE", "DeepSeek-V2"]
+"""The families whose experts transformers packs into 3-D weights (per-expert tensors on disk)."""
+
 
 def tiny_causal_lm(family: str) -> nn.Module:
     import transformers

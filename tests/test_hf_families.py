@@ -17,7 +17,7 @@ import pytest
 import torch
 from harness import run_on_ranks
 from helpers import use_existing_process_group
-from hf_families import FAMILIES, tiny_causal_lm
+from hf_families import FAMILIES, MOE, tiny_causal_lm
 from test_callbacks import Recorder
 from torch import nn
 
@@ -30,7 +30,6 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "howto" / "hugging-face
 
 REFUSED: dict[str, str] = {}  # family -> the style its plan uses that no exact PyTorch style expresses
 EXACT = [family for family in FAMILIES if family not in REFUSED]
-MOE = ["Mixtral", "Qwen3-MoE", "DeepSeek-V2"]
 
 
 def _unmapped_style(model: nn.Module) -> str | None:

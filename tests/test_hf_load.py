@@ -10,14 +10,14 @@ import pytest
 import torch
 from harness import run_on_ranks
 from helpers import use_existing_process_group
-from hf_families import FAMILIES, tiny_causal_lm
+from hf_families import FAMILIES, MOE, tiny_causal_lm
 from torch import nn
 
 import lightning_ndclip as nd
 
 transformers = pytest.importorskip("transformers")
 
-DENSE = [family for family in FAMILIES if family not in ("Mixtral", "Qwen3-MoE")]
+DENSE = [family for family in FAMILIES if family not in MOE]
 TOKENS = torch.randint(3, 32, (2, 8), generator=torch.Generator().manual_seed(0))
 
 

@@ -97,6 +97,26 @@ class ParallelMeshes:
         raise KeyError(f"no mesh dim or view named {name!r}; have {names}")
 
 
+def check_sizes(*, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
+    """The checks on the sizes that need no world size (:class:`ParallelDims` runs them first): each a
+    positive int (``dp_shard`` also ``-1``, whatever the world leaves), and ``ep`` dividing
+    ``dp_shard x cp`` once ``dp_shard`` is known. Raises ``TypeError`` / ``ValueError`` naming the size."""
+    for name, value in {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep}.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+        if value < 1 and not (name == "dp_shard" and value == -1):
+            raise ValueError(f"{name} must be {'a positive int or -1' if name == 'dp_shard' else 'a positive int'}, got {value}")
+    if dp_shard != -1:
+        _check_ep(dp_shard, cp, ep)
+
+
+def _check_ep(dp_shard: int, cp: int, ep: int) -> None:
+    if (dp_shard * cp) % ep:
+        raise ValueError(
+            f"ep={ep} must divide dp_shard x cp = {dp_shard} x {cp} = {dp_shard * cp}, the ranks experts are carved out of"
+        )
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Sizes of the parallel dims, checked against the world size before any collective.
@@ -120,13 +140,12 @@ class ParallelDims:
     ep: int = 1
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{f.name} must be an int, got {value!r}")
-            if value < 1 and not (f.name == "dp_shard" and value == -1):
-                allowed = "a positive int or -1" if f.name == "dp_shard" else "a positive int"
-                raise ValueError(f"{f.name} must be {allowed}, got {value}")
+        sizes = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "world_size"}
+        check_sizes(**sizes)
+        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool):
+            raise TypeError(f"world_size must be an int, got {self.world_size!r}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {self.world_size}")
         others = self.pp * self.dp_replicate * self.cp * self.tp
         if self.dp_shard == -1:
             if self.world_size % others:
@@ -135,17 +154,13 @@ class ParallelDims:
                     f"cp={self.cp} x tp={self.tp} = {others} does not divide world_size={self.world_size}"
                 )
             object.__setattr__(self, "dp_shard", self.world_size // others)
+            _check_ep(self.dp_shard, self.cp, self.ep)
         product = others * self.dp_shard
         if product != self.world_size:
             raise _SizeMismatchError(
                 f"the parallel sizes multiplied should equal the world size: pp={self.pp} x "
                 f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x tp={self.tp} = "
                 f"{product}, but world_size={self.world_size}"
-            )
-        if (self.dp_shard * self.cp) % self.ep:
-            raise ValueError(
-                f"ep={self.ep} must divide dp_shard x cp = {self.dp_shard} x {self.cp} = "
-                f"{self.dp_shard * self.cp}, the ranks experts are carved out of"
             )
 
     @property

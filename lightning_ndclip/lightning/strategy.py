@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-import math
 import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
@@ -45,7 +44,7 @@ from lightning_ndclip.core.coverage import check_data_parallel_reduction
 from lightning_ndclip.core.hf import transformers_models
 from lightning_ndclip.core.hf_checkpoint import load_hf_checkpoint
 from lightning_ndclip.core.loss import MicroBatchShare, local_loss_sum, loss_share, sync_sample_weights
-from lightning_ndclip.core.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError
+from lightning_ndclip.core.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError, check_sizes
 from lightning_ndclip.core.parallelism import ParallelPlan, shared_parameters
 from lightning_ndclip.core.pipeline import PipelineOptions
 from lightning_ndclip.core.reduce import use_sum_reduction
@@ -112,6 +111,65 @@ def _resolve_sizes(
         "dp_shard": num_nodes if data == "auto" else data,
         "tp": devices_per_node if tensor == "auto" else tensor,
     }
+
+
+def _refuse_unexpected(unexpected: dict[str, Any]) -> None:
+    """A keyword ``NDParallelStrategy`` does not take: where 0.1.0's went, or the closest accepted one."""
+    if not unexpected:
+        return
+    name = next(iter(unexpected))
+    if name in _MOVED:
+        raise TypeError(f"NDParallelStrategy({name}=...) is now {_MOVED[name]}")
+    close = difflib.get_close_matches(name, _ACCEPTED, n=1)
+    raise TypeError(
+        f"NDParallelStrategy got an unexpected keyword argument {name!r}"
+        + (f"; did you mean {close[0]!r}?" if close else "")
+        + f" Sizes: {', '.join(_SIZES)} (or Lightning's data_parallel_size / tensor_parallel_size)"
+    )
+
+
+def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be {' or '.join(repr(c) for c in choices)}, got {value!r}")
+
+
+def _check_plan_and_pipeline(
+    plan: ParallelPlan, pipeline: PipelineOptions, tp: int, pp: int, hf_checkpoint: str | os.PathLike[str] | None
+) -> None:
+    """The arguments that must agree with the sizes: a tp plan needs tp > 1; the split points make
+    ``pp x stages_per_rank`` stages; a Hugging Face checkpoint loads into a whole model (pp = 1)."""
+    if plan.tp_plan and tp == 1:
+        raise ValueError("NDParallelStrategy(plan=ParallelPlan(tp_plan=...)) needs tp > 1")
+    stages = pp * pipeline.stages_per_rank
+    if pp > 1 and pipeline.split_points and len(pipeline.split_points) != stages - 1:
+        raise ValueError(
+            f"pp={pp} x stages_per_rank={pipeline.stages_per_rank} = {stages} stages need {stages - 1} "
+            f"PipelineOptions(split_points), got {list(pipeline.split_points)}"
+        )
+    if hf_checkpoint is not None and pp > 1:
+        raise ValueError(
+            "NDParallelStrategy(hf_checkpoint=..., pp > 1): each pipeline rank holds some stages of the model, "
+            "and loading into stages is not supported yet; load the checkpoint before the split (from_pretrained)"
+        )
+
+
+_NORMALIZATION_HOOKS = {
+    "token_mean": "count_tokens(batch) -> Tensor, the number of valid tokens in a raw batch",
+    "sample_mean": "sample_ids(batch) -> (ids, num_samples[, valid]) for this rank's tokens",
+}
+"""The LightningModule hook each ``loss_normalization`` reads, as its error names it."""
+
+_READS_ITS_OWN_BATCHES = (
+    "counts each accumulation window's batches before its first backward, and training_step(dataloader_iter) reads "
+    "its batches itself, after that. Take training_step(batch, batch_idx), or use loss_normalization=None with "
+    "sum_reduction=True and scale each loss by lightning_ndclip.sync_token_count(counts).normalize(loss_sum)"
+)
+_OPTIMIZES_MANUALLY = (
+    "scales the loss that training_step returns, after manual optimization has already run backward and stepped on "
+    "the unscaled one. With manual optimization, use loss_normalization=None with sum_reduction=True and scale each "
+    "loss before manual_backward: lightning_ndclip.sync_token_count(counts).normalize(loss_sum) or "
+    "sync_sample_weights(...).normalize(token_losses)"
+)
 
 
 class NDParallelStrategy(ModelParallelStrategy):
@@ -212,71 +270,42 @@ class NDParallelStrategy(ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **unexpected: Any,
     ) -> None:
-        if unexpected:
-            name = next(iter(unexpected))
-            if name in _MOVED:
-                raise TypeError(f"NDParallelStrategy({name}=...) is now {_MOVED[name]}")
-            close = difflib.get_close_matches(name, _ACCEPTED, n=1)
-            raise TypeError(
-                f"NDParallelStrategy got an unexpected keyword argument {name!r}"
-                + (f"; did you mean {close[0]!r}?" if close else "")
-                + f" Sizes: {', '.join(_SIZES)} (or Lightning's data_parallel_size / tensor_parallel_size)"
-            )
+        _refuse_unexpected(unexpected)
         sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
         self._lightning_sizes = _lightning_sizes(data_parallel_size, tensor_parallel_size, sizes)
-        # every check that needs no world size (dp_shard=-1, and data_parallel_size="auto" as -1, resolve
-        # to a multiple of ep here)
-        check = _resolve_sizes(sizes, self._lightning_sizes, num_nodes=-1, devices_per_node=1)
-        known = math.prod(v for k, v in check.items() if k not in ("dp_shard", "ep")) * (
-            check["ep"] if check["dp_shard"] == -1 else check["dp_shard"]
-        )
-        ParallelDims(world_size=known, **check)
+        # "auto" sizes are unknown until the processes start: data parallel as dp_shard=-1, tensor as 1
+        check_sizes(**_resolve_sizes(sizes, self._lightning_sizes, num_nodes=-1, devices_per_node=1))
+        _check_choice("loss_normalization", loss_normalization, (None, "token_mean", "sample_mean"))
+        _check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
+        self._plan = plan or ParallelPlan()
+        self._pp = pipeline or PipelineOptions()
+        _check_plan_and_pipeline(self._plan, self._pp, tp=tp, pp=pp, hf_checkpoint=hf_checkpoint)
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        if loss_normalization not in (None, "token_mean", "sample_mean"):
-            raise ValueError(
-                f"loss_normalization must be None, 'token_mean' or 'sample_mean', got {loss_normalization!r}"
-            )
         self._sizes = sizes
         self._loss_normalization = loss_normalization
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self._loss_reduction = loss_reduction
         self._log_loss = log_loss
         self._log_eval_loss = log_eval_loss
-        self._eval_losses: dict[str, GlobalMeanLoss] = {}
-        self._own_logs: set[str] = set()  # "hook.name" the strategy has logged
-        self._window_loss: torch.Tensor | None = None
         self._sum_reduction = sum_reduction or loss_normalization is not None
         self._init_sync = init_sync
         self._summary = summary
+        self._hf_checkpoint = hf_checkpoint
+        self._microbatches = self._pp.microbatches or pp * self._pp.stages_per_rank
+        # set as training runs
+        self._eval_losses: dict[str, GlobalMeanLoss] = {}
+        self._own_logs: set[str] = set()  # "hook.name" the strategy has logged
+        self._window_loss: torch.Tensor | None = None
         self._counts_told = not summary
-        self._plan = plan or ParallelPlan()
-        if self._plan.tp_plan and tp == 1:
-            raise ValueError("NDParallelStrategy(plan=ParallelPlan(tp_plan=...)) needs tp > 1")
-        self._pp = pipeline or PipelineOptions()
-        stages = pp * self._pp.stages_per_rank
-        if pp > 1 and self._pp.split_points and len(self._pp.split_points) != stages - 1:
-            raise ValueError(
-                f"pp={pp} x stages_per_rank={self._pp.stages_per_rank} = {stages} stages need {stages - 1} "
-                f"PipelineOptions(split_points), got {list(self._pp.split_points)}"
-            )
-        self._microbatches = self._pp.microbatches or stages
         self._pipeline: PipelineRunner | None = None
         self._windows: LossWindows | None = None
         self._dims: ParallelDims | None = None
         self._meshes: ParallelMeshes | None = None
         self._ties: list[tuple[str, ...]] = []
         self._replica_gradients_checked = False
-        if hf_checkpoint is not None and pp > 1:
-            raise ValueError(
-                "NDParallelStrategy(hf_checkpoint=..., pp > 1): each pipeline rank holds some stages of the model, "
-                "and loading into stages is not supported yet; load the checkpoint before the split (from_pretrained)"
-            )
-        self._hf_checkpoint = hf_checkpoint
 
     def _transformers_model(self, module: pl.LightningModule) -> nn.Module:
         """The one ``transformers`` model in ``module`` that ``hf_checkpoint`` is loaded into."""
@@ -458,33 +487,53 @@ class NDParallelStrategy(ModelParallelStrategy):
         module, model = self._module, self._wrapped_model
         if self.accelerator is not None:
             self.accelerator.setup(trainer)
-        hook = {"token_mean": "count_tokens(batch) -> Tensor, the number of valid tokens in a raw batch",
-                "sample_mean": "sample_ids(batch) -> (ids, num_samples[, valid]) for this rank's tokens"}
-        needed = hook.get(self._loss_normalization or "")
-        if needed and not callable(getattr(module, needed.split("(")[0], None)):
-            raise TypeError(
-                f"NDParallelStrategy(loss_normalization={self._loss_normalization!r}) needs the "
-                f"LightningModule to define {needed}"
-            )
-        if self._loss_normalization is not None and is_param_in_hook_signature(
-            module.training_step, "dataloader_iter", explicit=True
-        ):
-            raise ValueError(
-                f"NDParallelStrategy(loss_normalization={self._loss_normalization!r}) counts each accumulation "
-                "window's batches before its first backward, and training_step(dataloader_iter) reads its batches "
-                "itself, after that. Take training_step(batch, batch_idx), or use loss_normalization=None with "
-                "sum_reduction=True and scale each loss by lightning_ndclip.sync_token_count(counts).normalize(loss_sum)"
-            )
-        if self._loss_normalization is not None and not module.automatic_optimization:
-            raise ValueError(
-                f"NDParallelStrategy(loss_normalization={self._loss_normalization!r}) scales the loss that "
-                "training_step returns, after manual optimization has already run backward and stepped on the "
-                "unscaled one. With manual optimization, use loss_normalization=None with sum_reduction=True and "
-                "scale each loss before manual_backward: lightning_ndclip.sync_token_count(counts).normalize(loss_sum) "
-                "or sync_sample_weights(...).normalize(token_losses)"
-            )
+        self._check_loss_normalization(module)
         if not is_overridden("configure_model", module):  # else recorded before configure_model ran
             self._ties = tied_parameters(module)
+        self._parallelize(module)
+        if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+            raise TypeError(
+                "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel`."
+                f" The `{type(self).__name__}` only supports the new FSDP2 APIs in PyTorch >= 2.4."
+            )
+        if self._hf_checkpoint is not None:
+            load_hf_checkpoint(self._transformers_model(module), self._hf_checkpoint, device=self.root_device)
+        _compat.materialize_distributed_module(model, self.root_device)
+        check_ties(module, self._ties)
+        self.model = self.precision_plugin.convert_module(model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:  # exact mode: a parameter nothing reduces is an error
+            check_data_parallel_reduction(model, self.meshes, unreduced="raise" if self._sum_reduction else "warn")
+        self.barrier()
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _compat.optimizers_to_device(self.optimizers, self.root_device)
+        if self._sum_reduction:
+            use_sum_reduction(self._wrapped_model)
+        if self._init_sync:
+            broadcast_replicas_(module)
+            if self._pipeline is not None:
+                self._pipeline.sync_ties()
+
+    def _check_loss_normalization(self, module: pl.LightningModule) -> None:
+        """What ``loss_normalization`` needs of the LightningModule, one rule each."""
+        mode = self._loss_normalization
+        if mode is None:
+            return
+        hook = _NORMALIZATION_HOOKS[mode]
+        if not callable(getattr(module, hook.split("(")[0], None)):
+            raise TypeError(f"NDParallelStrategy(loss_normalization={mode!r}) needs the LightningModule to define {hook}")
+        if is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True):
+            raise ValueError(f"NDParallelStrategy(loss_normalization={mode!r}) {_READS_ITS_OWN_BATCHES}")
+        if not module.automatic_optimization:
+            raise ValueError(f"NDParallelStrategy(loss_normalization={mode!r}) {_OPTIMIZES_MANUALLY}")
+
+    def _parallelize(self, module: pl.LightningModule) -> None:
+        """Cut the pipeline stages, or apply the declarative plan; a module that has neither must have
+        parallelized itself in ``configure_model`` (which Lightning ran before ``setup``)."""
         if self._pipeline is not None:
             self._pipeline.setup(module, self.meshes, self._plan)
             if self._pipeline.config.tied_parameters and not module.automatic_optimization:  # the same on every rank
@@ -501,31 +550,6 @@ class NDParallelStrategy(ModelParallelStrategy):
                 "in the LightningModule and apply parallelization there, or to give the strategy a declarative "
                 "plan (plan=ParallelPlan(fsdp_units=..., tp_plan=...))."
             )
-        if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-            raise TypeError(
-                "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel`."
-                f" The `{type(self).__name__}` only supports the new FSDP2 APIs in PyTorch >= 2.4."
-            )
-        if self._hf_checkpoint is not None:
-            load_hf_checkpoint(self._transformers_model(module), self._hf_checkpoint, device=self.root_device)
-        _compat.materialize_distributed_module(model, self.root_device)
-        check_ties(module, self._ties)
-        self.model = self.precision_plugin.convert_module(model)
-        self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING:  # exact mode: a parameter nothing reduces is an error
-            check_data_parallel_reduction(model, self.meshes, unreduced="raise" if self._sum_reduction else "warn")
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _compat.optimizers_to_device(self.optimizers, self.root_device)
-        if self._sum_reduction:
-            use_sum_reduction(self._wrapped_model)
-        if self._init_sync:
-            broadcast_replicas_(module)
-            if self._pipeline is not None:
-                self._pipeline.sync_ties()
 
     def parallel_summary(self) -> ParallelSummary:
         """What was parallelized how, and the data side (see the ``summary`` argument); ``str()`` of it
