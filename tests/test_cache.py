@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_ndclip.core._cache import GrowingLRU
+from lightning_ndclip.core._norm_cache import GrowingLRU
 
 
 def _round(cache: GrowingLRU, keys) -> int:
@@ -39,30 +39,3 @@ def test_recent_entries_are_kept_and_put_replaces():
     assert cache.values() == ["A", "C"]
     cache.put("a", "A2")
     assert cache.values() == ["C", "A2"]
-
-
-class _Spec:
-    """Stands for a DTensor spec: a key holds its id, the entry holds the object."""
-
-
-def _fresh_layouts_until_a_dropped_id_returns(cache: GrowingLRU, tries: int = 1000) -> None:
-    """Fresh objects one after the other, each keyed by its id and dropped by the next; CPython
-    soon gives a new object the address of a freed one."""
-    for _ in range(tries):
-        spec = _Spec()
-        cache.get(id(spec), lambda spec=spec: spec)
-        del spec
-        if cache.capacity > 1:
-            return
-
-
-def test_a_dropped_key_keeps_its_pinned_objects_so_a_fresh_object_never_looks_dropped():
-    pinned: GrowingLRU[_Spec] = GrowingLRU(capacity=1, max_capacity=64, pin=lambda entry: entry)
-    _fresh_layouts_until_a_dropped_id_returns(pinned)
-    assert pinned.capacity == 1  # every layout was new: nothing came back
-
-    # without a pin, a freed spec's id is taken by a new one, which the cache takes for a dropped
-    # layout coming back: it grows (on the rank where the id was reused, and not on the others)
-    unpinned: GrowingLRU[_Spec] = GrowingLRU(capacity=1, max_capacity=64)
-    _fresh_layouts_until_a_dropped_id_returns(unpinned)
-    assert unpinned.capacity > 1

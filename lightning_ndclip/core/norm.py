@@ -15,34 +15,38 @@ nothing moves between host and device: the norm and the clip coefficient stay de
 The functions mirror :func:`torch.nn.utils.get_total_norm`, :func:`torch.nn.utils.clip_grad_norm_`
 and :func:`torch.nn.utils.clip_grads_with_norm_`, and accept the same arguments, plus keyword-only
 ones for what a single device does not need (pipeline mesh, tied parameters, process group) and for
-the caches they keep (:class:`NormPlans`).
+the caches they keep (:class:`NormPlans`, :mod:`lightning_ndclip.core._norm_cache`).
+
+One call, top to bottom (:func:`_global_norm`): the layout's plan (cached; agreed with every rank on
+first use), the local powers :math:`\sum |x|^p` of the counted pieces (the contiguous runs of FSDP2's
+buffers, :mod:`lightning_ndclip.core._runs`), one all-reduce that also checks that every rank used the
+same plan, the root; clipping multiplies every local piece by one device coefficient.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import repeat
 from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from lightning_ndclip._compat import (
     device_has_foreach_support,
     disable_torch_function_subclass,
-    dtensor_spec,
     foreach_mul_,
     foreach_norm,
     local_tensors,
 )
-from lightning_ndclip.core._cache import GrowingLRU
 from lightning_ndclip.core._layout import dim0_paddings
-from lightning_ndclip.core._norm_plan import NormPlan, NormPlanError, build_plan
+from lightning_ndclip.core._norm_cache import NormPlans, PlanEntry, layout_key, probe
+from lightning_ndclip.core._norm_plan import NormPlanError, build_plan
 from lightning_ndclip.core._runs import RunFinder
 
 __all__ = ["GradNorms", "NormPlans", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norms"]
@@ -52,6 +56,9 @@ _GRAD = operator.attrgetter("grad")
 _DEVICE = operator.attrgetter("device")
 _DTYPE = operator.attrgetter("dtype")
 _EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_
+
+_default_plans = NormPlans()
+"""The caches of every call that passes ``plans=None``."""
 
 
 @dataclass(frozen=True)
@@ -97,436 +104,36 @@ class GradNorms:
         return dict(zip(self.names, self.per_tensor.unbind()))
 
 
-@dataclass
-class _CachedPlan:
-    plan: NormPlan
-    specs: tuple  # the DTensor specs whose ids the plan key holds, kept alive with the entry (see _layout_key)
-    padding: tuple[int, ...]  # per tensor, FSDP padding after its local piece (see runs.py)
-    finder: RunFinder = field(default_factory=RunFinder)
-    constants: dict = field(default_factory=dict)  # device tensors made once (no per-call copies)
-    _uncounted: tuple[int, ...] | None = None
+@dataclass(frozen=True)
+class _Request:
+    """What one norm call asks for, beyond its tensors: the options of the public functions."""
 
-    def uncounted(self) -> tuple[int, ...]:
-        """Indices of the local tensors this rank holds but does not count (copies counted elsewhere)."""
-        if self._uncounted is None:
-            self._uncounted = tuple(i for i, counted in enumerate(self.plan.counted) if not counted)
-        return self._uncounted
+    norm_type: float
+    per_tensor: bool = False
+    error_if_nonfinite: bool = False
+    foreach: bool | None = None
+    pp_mesh: DeviceMesh | None = None
+    group: dist.ProcessGroup | None = None
+    accumulate_dtype: torch.dtype | None = None
+    retry_overflow: bool | None = None
 
-    def constant(self, key: tuple, device: torch.device, dtype: torch.dtype, make: Callable[[], list]) -> torch.Tensor:
-        """``torch.tensor(make())`` on ``device``, built on first use and cached under ``key``."""
-        full_key = (key, device, dtype)
-        if full_key not in self.constants:
-            self.constants[full_key] = torch.tensor(make(), dtype=dtype, device=device)
-        return self.constants[full_key]
-
-
-class NormPlans:
-    """The caches of the norm functions, for as long as this object lives.
-
-    It keeps, per gradient layout, the plan every rank agreed on (made by a collective exchange on
-    first use) and the contiguous runs of the gradients; and, per pipeline mesh, process group and
-    kind of norm, the size of the last all-reduce. Entries last until :meth:`clear`, until their
-    layout is among the least recently used beyond ``capacity``, or until this object is garbage;
-    they hold the meshes, process groups and DTensor specs they were made for alive. Every rank of
-    the process group must make the same norm calls with its instance, in the same order, so that
-    all ranks find or miss a plan together. ``len(plans)`` is the number of plans kept.
-
-    The functions of this module take one as ``plans=``; with ``None`` they share a module-level
-    default instance that lives as long as the process. An owner with a shorter life (a training
-    run, a test) passes its own.
-
-    Args:
-        capacity: how many layouts are kept at first; it doubles, up to ``max_capacity``, whenever
-            a dropped layout comes back (a cycle of more layouts than it holds).
-        max_capacity: the most layouts kept.
-    """
-
-    def __init__(self, capacity: int = 16, max_capacity: int = 4096) -> None:
-        # a dropped layout's key keeps its specs alive, so that no new spec takes one of its ids (see _cache)
-        self._plans: GrowingLRU[_CachedPlan] = GrowingLRU(capacity, max_capacity, pin=operator.attrgetter("specs"))
-        # for clip_grads_with_norm_, by layout: a finder, the padding and the specs whose ids the key holds
-        self._scale_finders: GrowingLRU[tuple[RunFinder, tuple[int, ...], tuple]] = GrowingLRU(
-            capacity, max_capacity, pin=operator.itemgetter(2)
-        )
-        # per (pp mesh, group, inf norm, per-tensor) context: the size of its last all-reduce, for _probe.
-        # Keyed by the mesh and group themselves: an id could be taken by a new object on one rank
-        # only, which would find a stale record and probe (an all-reduce) while the others exchange.
-        self._last_buffer_size: dict[tuple, int] = {}
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "norm_type", float(self.norm_type))
+        if not (self.norm_type > 0):
+            raise ValueError(f"norm_type must be > 0 (or inf), got {self.norm_type}")
 
     @property
-    def capacity(self) -> int:
-        """How many layouts' plans are kept now."""
-        return self._plans.capacity
+    def is_inf(self) -> bool:
+        return math.isinf(self.norm_type)
 
     @property
-    def max_capacity(self) -> int:
-        """The most layouts' plans ever kept."""
-        return self._plans.max_capacity
-
-    def counted(self) -> tuple[bool, ...] | None:
-        """For diagnostics: per tensor of the most recently used plan, in the order they were
-        passed, whether this rank adds its local piece to the global norm (a piece held by several
-        ranks counts on one of them only); ``None`` when no plan is kept."""
-        entries = self._plans.values()
-        return entries[-1].plan.counted if entries else None
-
-    def clear(self) -> None:
-        """Drop every entry."""
-        self._plans.clear()
-        self._scale_finders.clear()
-        self._last_buffer_size.clear()
-
-    def __len__(self) -> int:
-        """The number of plans kept."""
-        return len(self._plans)
-
-
-_default_plans = NormPlans()
-"""The caches of every call that passes ``plans=None``."""
-
-
-def _locals(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return local_tensors(tensors)
-
-
-def _layout_key(tensors: Sequence[torch.Tensor]) -> tuple:
-    """Identifies a layout cheaply: DTensor specs by ``id``, which is sound only while the cache entry
-    under the key, or the key once dropped, holds the specs alive (``_specs``), so that no new spec
-    can take one of those ids;
-    plain tensors by shape and dtype. In C when all tensors are DTensors (no Python line per tensor)."""
-    if all(map(isinstance, tensors, repeat(DTensor))):
-        return tuple(map(id, map(dtensor_spec, cast("Sequence[DTensor]", tensors))))
-    return tuple([id(dtensor_spec(t)) if isinstance(t, DTensor) else (t.shape, t.dtype) for t in tensors])
-
-
-def _plan_key(
-    grads: Sequence[torch.Tensor],
-    names: Sequence[str] | None,
-    tie_keys: Sequence[str | None] | None,
-    pp_mesh: DeviceMesh | None,
-    group: dist.ProcessGroup | None,
-) -> tuple:
-    """The key of a plan. It holds the mesh and the group themselves, not their ids (which a new object
-    could take): a ``DeviceMesh`` hashes and compares by its ranks and dim names (an equal mesh has
-    an equal plan), a ``ProcessGroup`` by identity."""
-    return (
-        _layout_key(grads),
-        None if names is None else tuple(names),
-        None if tie_keys is None else tuple(tie_keys),
-        pp_mesh,
-        group,
-    )
-
-
-def _cached_plan(
-    plans: NormPlans,
-    grads: Sequence[torch.Tensor],
-    names: Sequence[str] | None,
-    tie_keys: Sequence[str | None] | None,
-    pp_mesh: DeviceMesh | None,
-    group: dist.ProcessGroup | None,
-    context: tuple,
-) -> _CachedPlan:
-    """The plan of this layout, from the cache or made by the exchange (collective).
-
-    A miss after earlier calls in the same ``context`` may be this rank's alone (its gradient set
-    or layout changed while the others hit their cached plans and are already in the norm's
-    all-reduce): it first joins that all-reduce with a marker (:func:`_probe`), which makes every
-    rank see the disagreement and go to the exchange too, instead of leaving them waiting."""
-
-    def make() -> _CachedPlan:
-        size = plans._last_buffer_size.get(context)
-        everyone = size is None or _probe(size, context[2], group, grads)
-        return _exchange(grads, names, tie_keys, pp_mesh, group, diverged=not everyone)
-
-    return plans._plans.get(_plan_key(grads, names, tie_keys, pp_mesh, group), make)
-
-
-def _exchange(
-    grads: Sequence[torch.Tensor],
-    names: Sequence[str] | None,
-    tie_keys: Sequence[str | None] | None,
-    pp_mesh: DeviceMesh | None,
-    group: dist.ProcessGroup | None,
-    *,
-    diverged: bool,
-) -> _CachedPlan:
-    """Build this layout's plan with every rank (collective). After a disagreement (``diverged``),
-    ranks whose layouts differ all raise the same ``RuntimeError``."""
-    try:
-        plan = build_plan(
-            grads,
-            [f"tensor[{i}]" for i in range(len(grads))] if names is None else names,
-            [None] * len(grads) if tie_keys is None else tie_keys,
-            pp_mesh=pp_mesh,
-            group=group,
-        )
-    except NormPlanError as error:
-        if not diverged:
-            raise
-        raise RuntimeError(
-            "ranks used different cached norm plans in the same call (their gradient layouts diverged after "
-            f"agreeing earlier); every rank of a stage must pass gradients of the same layout: {error}"
-        ) from error
-    return _CachedPlan(plan, specs=_specs(grads), padding=dim0_paddings(grads))
-
-
-_PROBE_MARK = float(2**55)  # above any plan fingerprint (< 2**52), so no sum or max of them equals it
-
-
-def _probe(size: int, is_inf: bool, group: dist.ProcessGroup | None, grads: Sequence[torch.Tensor]) -> bool:
-    """Join the norm's all-reduce (of the ``size`` it had last time in this context) with a marker in
-    place of a plan fingerprint, so that ranks that hit their cached plans see a disagreement and
-    exchange plans too. Returns whether every rank missed (a new layout everywhere). On
-    accelerators, where ranks that hit do not read the check on the host, this rank raises unless
-    every rank missed."""
-    local = _locals(grads)
-    device = _collective_device(group, local[0].device if local else torch.device("cpu"))
-    buffer = torch.zeros(size, dtype=torch.float64, device=device)
-    if is_inf:
-        buffer[2], buffer[3] = _PROBE_MARK, -_PROBE_MARK
-    else:
-        buffer[1] = _PROBE_MARK
-    dist.all_reduce(buffer, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
-    everyone = bool(buffer[3] == -_PROBE_MARK) if is_inf else bool(buffer[1] == dist.get_world_size(group) * _PROBE_MARK)
-    if not everyone and device.type != "cpu":
-        raise RuntimeError(
-            "this rank's gradient layout changed after its norm plan was cached, while other ranks kept "
-            "theirs (their norm is nan this step); every rank of a stage must pass gradients of the same layout"
-        )
-    return everyone  # on CPU the ranks that hit saw the marker and come to the exchange as well
+    def context(self) -> tuple:
+        """What fixes the all-reduce's size for a given plan (see :func:`_first_plan`)."""
+        return (self.pp_mesh, self.group, self.is_inf, self.per_tensor)
 
 
 class _PlansDiffer(Exception):
     """Ranks reduced with different plans (or one had none): they exchange plans and try again."""
-
-
-def _specs(tensors: Sequence[torch.Tensor]) -> tuple:
-    """The DTensor specs whose ids a layout key holds: a cache entry keeps them alive."""
-    if all(map(isinstance, tensors, repeat(DTensor))):
-        return tuple(map(dtensor_spec, cast("Sequence[DTensor]", tensors)))
-    return tuple(dtensor_spec(t) for t in tensors if isinstance(t, DTensor))
-
-
-def _by_device_and_dtype(items: Sequence[T], tensors: Sequence[torch.Tensor]) -> dict[tuple, list[T]]:
-    """``items`` grouped by the (device, dtype) of the matching ``tensors``, in order within a group."""
-    kinds = set(zip(map(_DEVICE, tensors), map(_DTYPE, tensors)))
-    if len(kinds) <= 1:  # the usual case, found without a Python line per tensor
-        return {kind: list(items) for kind in kinds}
-    groups: dict[tuple, list[T]] = {}
-    for item, t in zip(items, tensors):
-        groups.setdefault((t.device, t.dtype), []).append(item)
-    return groups
-
-
-def _use_foreach(foreach: bool | None, device: torch.device) -> bool:
-    supported = device_has_foreach_support(device)
-    if foreach and not supported:
-        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
-    return supported if foreach is None else foreach
-
-
-def _stacked_norms(
-    tensors: Sequence[torch.Tensor], norm_type: float, dtype: torch.dtype, foreach: bool | None, device: torch.device
-) -> torch.Tensor:
-    """Per-tensor norms computed in ``dtype``, in the order of ``tensors`` (none is empty), as one
-    float64 tensor on ``device`` (one copy per device and dtype group, not one per tensor)."""
-    if not tensors:
-        return torch.zeros(0, dtype=torch.float64, device=device)
-    groups = _by_device_and_dtype(range(len(tensors)), tensors)
-    parts, order = [], []
-    for (group_device, _), indices in groups.items():
-        group = list(tensors) if len(groups) == 1 else [tensors[i] for i in indices]
-        if _use_foreach(foreach, group_device):
-            norms = list(foreach_norm(group, norm_type, dtype=dtype))
-        else:
-            norms = [torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in group]
-        parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
-        order.extend(indices)
-    if len(parts) == 1:
-        return parts[0]
-    stacked = torch.cat(parts)
-    return torch.empty_like(stacked).index_copy_(0, torch.tensor(order, device=device), stacked)
-
-
-def _collective_device(group: dist.ProcessGroup | None, like: torch.device) -> torch.device:
-    """Where the local sums meet for the all-reduce: the gradients' device, or the CPU for gloo."""
-    if like.type != "cpu" and dist.is_initialized() and dist.get_backend(group) == "gloo":
-        return torch.device("cpu")
-    return like
-
-
-def _combine(powers: torch.Tensor, is_inf: bool) -> torch.Tensor:
-    if powers.numel() == 0:
-        return powers.new_zeros(())
-    return powers.amax() if is_inf else powers.sum()
-
-
-def _all_reduce(
-    local: torch.Tensor,
-    per_slot: torch.Tensor | None,
-    is_inf: bool,
-    plan: NormPlan,
-    entry: _CachedPlan,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The one collective: sums (or maxes) the local contributions and checks, in the same buffer,
-    that every rank used the same plan. Returns the global (total, per-slot) powers. If any rank
-    held a ``nan``, the total is ``nan`` on every rank, and so is the slot that held it (``inf``
-    for the inf norm, whose MAX would drop a ``nan``). If the plans differ, where raising would
-    need a host sync, everything is ``nan``."""
-    f, n = float(plan.fingerprint), dist.get_world_size(plan.group)
-    if is_inf:
-        # A MAX reduction may drop nan (gloo keeps whichever operand it holds), so nan travels as a
-        # flag; max(f) == f and max(-f) == -f on every rank exactly when all fingerprints are equal.
-        sent = expected = entry.constant(("sent", True), device, torch.float64, lambda: [f, -f])
-        parts = [local.reshape(1), torch.isnan(local).to(torch.float64).reshape(1), sent]
-    else:
-        # A SUM propagates nan by itself, and the fingerprints add up exactly (see NormPlan). Two
-        # different plans fail the check on every rank; with three or more, a rank whose fingerprint
-        # is exactly the mean of all would miss it (odds of about one in the fingerprint range).
-        sent = entry.constant(("sent", False), device, torch.float64, lambda: [f])
-        expected = entry.constant(("expected", False), device, torch.float64, lambda: [n * f])
-        parts = [local.reshape(1), sent]
-    head = sum(t.numel() for t in parts)  # where the per-slot values start
-    if per_slot is not None:
-        parts.append(torch.where(per_slot.isnan(), math.inf, per_slot) if is_inf else per_slot)
-    buffer = torch.cat(parts)
-    dist.all_reduce(buffer, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=plan.group)
-    agreed = torch.eq(buffer[head - sent.numel() : head], expected).all()
-    if device.type == "cpu" and not agreed:
-        raise _PlansDiffer()
-    poisoned = ~agreed | (buffer[1] > 0) if is_inf else ~agreed
-    total = torch.where(poisoned, math.nan, buffer[0])
-    return total, None if per_slot is None else torch.where(agreed, buffer[head:], math.nan)
-
-
-def _global_norm(
-    grads: Sequence[torch.Tensor],
-    names: Sequence[str] | None,
-    tie_keys: Sequence[str | None] | None,
-    norm_type: float,
-    *,
-    per_tensor: bool,
-    error_if_nonfinite: bool,
-    foreach: bool | None,
-    pp_mesh: DeviceMesh | None,
-    group: dist.ProcessGroup | None,
-    accumulate_dtype: torch.dtype | None,
-    retry_overflow: bool | None,
-    plans: NormPlans | None,
-) -> GradNorms:
-    """The one call path of :func:`get_total_norm`, :func:`clip_grad_norm_` and :func:`grad_norms`.
-
-    A p-norm accumulated in float32 overflows once elements pass about 1.8e19 (their squares pass
-    float32's range) while the norm itself is far inside it. Accumulating in float64 always cost
-    4-16x on CPU (``benchmarks/results/local_norm_cpu_2_threads.md``), so instead a non-finite total
-    is computed again in float64 (every rank sees the same total, so all do): with ``retry_overflow``,
-    or by default where reading the total costs no device sync (CPU, or ``error_if_nonfinite``)."""
-    norm_type = float(norm_type)
-    if not (norm_type > 0):
-        raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}")
-    plans = _default_plans if plans is None else plans
-    is_inf = math.isinf(norm_type)
-    context = (pp_mesh, group, is_inf, per_tensor)
-    entry = _cached_plan(plans, grads, names, tie_keys, pp_mesh, group, context)
-
-    def norm_with(acc: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None, NormPlan, list[torch.Tensor]]:
-        return _norm_with(entry, grads, norm_type, is_inf, plans, context, per_tensor, foreach, acc)
-
-    try:
-        result = norm_with(accumulate_dtype)
-    except _PlansDiffer:  # some rank's plan differs or it had none: agree on one (or all raise), once
-        entry = _exchange(grads, names, tie_keys, pp_mesh, group, diverged=True)
-        plans._plans.put(_plan_key(grads, names, tie_keys, pp_mesh, group), entry)
-        try:
-            result = norm_with(accumulate_dtype)
-        except _PlansDiffer:
-            raise RuntimeError(
-                "ranks used different norm plans in the same call even after exchanging them; every rank of "
-                "a stage must pass gradients of the same layout"
-            ) from None
-    total, per_slot, plan, to_scale = result
-    if retry_overflow is None:
-        retry_overflow = error_if_nonfinite or total.device.type == "cpu"
-    finite = None
-    if retry_overflow and not is_inf and total.dtype != torch.float64:
-        finite = bool(torch.isfinite(total))  # the step's one host read
-        if not finite:
-            total64, per_slot64, _, _ = norm_with(torch.float64)
-            total, per_slot = total64.to(total.dtype), None if per_slot64 is None else per_slot64.to(total.dtype)
-            finite = bool(torch.isfinite(total))
-    if error_if_nonfinite:
-        _raise_if_nonfinite(total, norm_type)
-    return GradNorms(total=total, per_tensor=per_slot, names=plan.slot_names, finite=finite, _to_scale=tuple(to_scale))
-
-
-def _norm_with(
-    entry: _CachedPlan,
-    grads: Sequence[torch.Tensor],
-    norm_type: float,
-    is_inf: bool,
-    plans: NormPlans,
-    context: tuple,
-    per_tensor: bool,
-    foreach: bool | None,
-    accumulate_dtype: torch.dtype | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, NormPlan, list[torch.Tensor]]:
-    """The norm with a given plan: (total, per-slot norms or ``None``, plan, local tensors to scale).
-    Raises :class:`_PlansDiffer` when the ranks' plans turn out to differ (on CPU, where that is read
-    without a device sync)."""
-    plan = entry.plan
-    locals_ = _locals(grads)
-    runs = entry.finder.runs(locals_, plan.counted, entry.padding)
-    acc = accumulate_dtype or plan.accumulate_dtype
-    device = locals_[0].device if locals_ else torch.device("cpu")
-    if plan.needs_collective:
-        device = _collective_device(plan.group, device)
-
-    def powers(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        norms = _stacked_norms(tensors, norm_type, acc, foreach, device)
-        return norms if is_inf else norms.pow(norm_type)
-
-    per_slot = None
-    if per_tensor:
-        present = [i for i, t in enumerate(locals_) if plan.counted[i] and t.numel() > 0]
-        index = entry.constant(tuple(present), device, torch.long, lambda: [plan.slots[i] for i in present])
-        per_slot = torch.zeros(len(plan.slot_names), dtype=torch.float64, device=device)
-        per_slot.index_copy_(0, index, powers([locals_[i] for i in present]))
-        local = _combine(per_slot, is_inf)
-    else:
-        local = _combine(powers(runs.to_norm), is_inf)
-    uncounted = entry.uncounted()
-    if uncounted and plan.needs_collective:
-        # copies this rank does not count (replicas counted elsewhere) can still hold an inf or nan
-        # that would make the replicas diverge: one pass over them, and a nan rides in the local value
-        copies = [locals_[i] for i in uncounted if locals_[i].numel()]
-        if copies:
-            check = _stacked_norms(copies, 1.0, torch.float64, foreach, device).sum()
-            local = torch.where(torch.isfinite(check), local, math.nan)
-
-    if plan.needs_collective:
-        local, per_slot = _all_reduce(local, per_slot, is_inf, plan, entry, device)
-        size = (4 if is_inf else 2) + (0 if per_slot is None else per_slot.numel())
-        plans._last_buffer_size[context] = size
-
-    total = local if is_inf else local.pow(1.0 / norm_type)
-    if per_slot is not None and not is_inf:
-        per_slot = per_slot.pow(1.0 / norm_type)
-    return total.to(acc), None if per_slot is None else per_slot.to(acc), plan, runs.to_scale
-
-
-def _raise_if_nonfinite(total: torch.Tensor, norm_type: float) -> None:
-    if not torch.isfinite(total):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
-            "cannot be clipped. This error is raised on every rank. To disable it, set "
-            "`error_if_nonfinite=False`."
-        )
-
-
-def _as_tensor_list(tensors: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
 def _tie_keys(tensors: Sequence[torch.Tensor], tied: Mapping[str, torch.Tensor] | None) -> list[str | None] | None:
@@ -594,20 +201,8 @@ def get_total_norm(
             ranks of one stage passing different tensors, or inconsistent meshes.
     """
     tensors = _as_tensor_list(tensors)
-    return _global_norm(
-        tensors,
-        None,
-        _tie_keys(tensors, tied),
-        norm_type,
-        per_tensor=False,
-        error_if_nonfinite=error_if_nonfinite,
-        foreach=foreach,
-        pp_mesh=pp_mesh,
-        group=process_group,
-        accumulate_dtype=accumulate_dtype,
-        retry_overflow=retry_overflow,
-        plans=plans,
-    ).total
+    request = _Request(norm_type, False, error_if_nonfinite, foreach, pp_mesh, process_group, accumulate_dtype, retry_overflow)
+    return _global_norm(tensors, None, _tie_keys(tensors, tied), request, plans).total
 
 
 def _scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool | None) -> None:
@@ -622,8 +217,8 @@ def _scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool |
 
 def _scale_runs(grads: Sequence[torch.Tensor], plans: NormPlans) -> list[torch.Tensor]:
     """The contiguous runs covering every local element of ``grads`` (see :mod:`lightning_ndclip.core._runs`)."""
-    finder, padding, _ = plans._scale_finders.get(_layout_key(grads), lambda: (RunFinder(), dim0_paddings(grads), _specs(grads)))
-    return finder.runs(_locals(grads), [True] * len(grads), padding).to_scale
+    finder, padding = plans.scale_runs.get(layout_key(grads), lambda: (RunFinder(), dim0_paddings(grads)))
+    return finder.runs(local_tensors(grads), [True] * len(grads), padding).to_scale
 
 
 def _clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
@@ -699,20 +294,8 @@ def clip_grad_norm_(
         The **pre-clip** total norm, a 0-dim tensor identical on every rank.
     """
     params, grads = _with_grads(_as_tensor_list(parameters))
-    norms = _global_norm(
-        grads,
-        None,
-        _tie_keys(params, tied_parameters),
-        norm_type,
-        per_tensor=False,
-        error_if_nonfinite=error_if_nonfinite,
-        foreach=foreach,
-        pp_mesh=pp_mesh,
-        group=process_group,
-        accumulate_dtype=accumulate_dtype,
-        retry_overflow=retry_overflow,
-        plans=plans,
-    )
+    request = _Request(norm_type, False, error_if_nonfinite, foreach, pp_mesh, process_group, accumulate_dtype, retry_overflow)
+    norms = _global_norm(grads, None, _tie_keys(params, tied_parameters), request, plans)
     norms.clip_(max_norm, foreach)
     return norms.total
 
@@ -746,18 +329,251 @@ def grad_norms(
     pairs = list(named_parameters)
     grads = _read_grads([p for _, p in pairs])
     kept = [(n, p, g) for (n, p), g in zip(pairs, grads) if g is not None]
-    params = [p for _, p, _ in kept]
-    return _global_norm(
-        [g for _, _, g in kept],
-        [n for n, _, _ in kept],
-        _tie_keys(params, tied_parameters),
-        norm_type,
-        per_tensor=per_tensor,
-        error_if_nonfinite=False,
-        foreach=foreach,
-        pp_mesh=pp_mesh,
-        group=process_group,
-        accumulate_dtype=accumulate_dtype,
-        retry_overflow=retry_overflow,
-        plans=plans,
+    request = _Request(norm_type, per_tensor, False, foreach, pp_mesh, process_group, accumulate_dtype, retry_overflow)
+    tie_keys = _tie_keys([p for _, p, _ in kept], tied_parameters)
+    return _global_norm([g for _, _, g in kept], [n for n, _, _ in kept], tie_keys, request, plans)
+
+
+def _global_norm(
+    grads: Sequence[torch.Tensor],
+    names: Sequence[str] | None,
+    tie_keys: Sequence[str | None] | None,
+    request: _Request,
+    plans: NormPlans | None,
+) -> GradNorms:
+    """The one call path of :func:`get_total_norm`, :func:`clip_grad_norm_` and :func:`grad_norms`.
+
+    A p-norm accumulated in float32 overflows once elements pass about 1.8e19 (their squares pass
+    float32's range) while the norm itself is far inside it. Accumulating in float64 always cost
+    4-16x on CPU (``benchmarks/results/local_norm_cpu_2_threads.md``), so instead a non-finite total
+    is computed again in float64 (every rank sees the same total, so all do): with ``retry_overflow``,
+    or by default where reading the total costs no device sync (CPU, or ``error_if_nonfinite``)."""
+    plans = _default_plans if plans is None else plans
+    key = (
+        layout_key(grads),
+        None if names is None else tuple(names),
+        None if tie_keys is None else tuple(tie_keys),
+        request.pp_mesh,
+        request.group,
     )
+    entry = plans.plans.get(key, partial(_first_plan, plans, grads, names, tie_keys, request))
+    try:
+        total, per_slot, to_scale = _norm(entry, grads, request, plans, request.accumulate_dtype)
+    except _PlansDiffer:  # some rank's plan differs or it had none: agree on one (or all raise), once
+        entry = plans.plans.put(key, _agreed_plan(grads, names, tie_keys, request, diverged=True))
+        try:
+            total, per_slot, to_scale = _norm(entry, grads, request, plans, request.accumulate_dtype)
+        except _PlansDiffer:
+            raise RuntimeError(
+                "ranks used different norm plans in the same call even after exchanging them; every rank of "
+                "a stage must pass gradients of the same layout"
+            ) from None
+    retry = request.retry_overflow
+    if retry is None:
+        retry = request.error_if_nonfinite or total.device.type == "cpu"
+    finite = None
+    if retry and not request.is_inf and total.dtype != torch.float64:
+        finite = bool(torch.isfinite(total))  # the step's one host read
+        if not finite:
+            total64, per_slot64, _ = _norm(entry, grads, request, plans, torch.float64)
+            total, per_slot = total64.to(total.dtype), None if per_slot64 is None else per_slot64.to(total.dtype)
+            finite = bool(torch.isfinite(total))
+    if request.error_if_nonfinite:
+        _raise_if_nonfinite(total, request.norm_type)
+    return GradNorms(total, per_slot, entry.plan.slot_names, finite, _to_scale=tuple(to_scale))
+
+
+def _first_plan(
+    plans: NormPlans,
+    grads: Sequence[torch.Tensor],
+    names: Sequence[str] | None,
+    tie_keys: Sequence[str | None] | None,
+    request: _Request,
+) -> PlanEntry:
+    """A layout's plan on a cache miss. A miss after earlier calls in the same context may be this
+    rank's alone (its gradients changed while the others hit their cached plans and are already in
+    the norm's all-reduce): it first joins that all-reduce with a marker (:func:`probe`), which makes
+    every rank see the disagreement and come to the exchange too, instead of leaving them waiting."""
+    size = plans.last_size.get(request.context)
+    local = local_tensors(grads)
+    device = _collective_device(request.group, local[0].device if local else torch.device("cpu"))
+    everyone = size is None or probe(size, request.is_inf, request.group, device)
+    return _agreed_plan(grads, names, tie_keys, request, diverged=not everyone)
+
+
+def _agreed_plan(
+    grads: Sequence[torch.Tensor],
+    names: Sequence[str] | None,
+    tie_keys: Sequence[str | None] | None,
+    request: _Request,
+    *,
+    diverged: bool,
+) -> PlanEntry:
+    """This layout's plan, agreed with every rank (collective). After a disagreement (``diverged``),
+    ranks whose layouts differ all raise the same ``RuntimeError``."""
+    try:
+        plan = build_plan(
+            grads,
+            [f"tensor[{i}]" for i in range(len(grads))] if names is None else names,
+            [None] * len(grads) if tie_keys is None else tie_keys,
+            pp_mesh=request.pp_mesh,
+            group=request.group,
+        )
+    except NormPlanError as error:
+        if not diverged:
+            raise
+        raise RuntimeError(
+            "ranks used different cached norm plans in the same call (their gradient layouts diverged after "
+            f"agreeing earlier); every rank of a stage must pass gradients of the same layout: {error}"
+        ) from error
+    return PlanEntry(plan, padding=dim0_paddings(grads))
+
+
+def _norm(
+    entry: PlanEntry, grads: Sequence[torch.Tensor], request: _Request, plans: NormPlans, acc: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """The norm with a given plan, accumulated in ``acc`` (default: the plan's): (total, per-slot norms
+    or ``None``, the local tensors to scale). Raises :class:`_PlansDiffer` when the ranks' plans turn
+    out to differ (on CPU, where that is read without a device sync)."""
+    plan = entry.plan
+    acc = acc or plan.accumulate_dtype
+    local = local_tensors(grads)
+    runs = entry.finder.runs(local, plan.counted, entry.padding)
+    device = local[0].device if local else torch.device("cpu")
+    if plan.needs_collective:
+        device = _collective_device(plan.group, device)
+    per_slot = None
+    if request.per_tensor:
+        present = [i for i, t in enumerate(local) if plan.counted[i] and t.numel() > 0]
+        index = entry.constant(tuple(present), device, torch.long, lambda: [plan.slots[i] for i in present])
+        per_slot = torch.zeros(len(plan.slot_names), dtype=torch.float64, device=device)
+        per_slot.index_copy_(0, index, _powers([local[i] for i in present], request, acc, device))
+        power = _combine(per_slot, request.is_inf)
+    else:
+        power = _combine(_powers(runs.to_norm, request, acc, device), request.is_inf)
+    copies = [local[i] for i in entry.uncounted if local[i].numel()] if plan.needs_collective else []
+    if copies:  # replicas counted elsewhere can still hold an inf or nan that would make them diverge
+        check = _stacked_norms(copies, 1.0, torch.float64, request.foreach, device).sum()
+        power = torch.where(torch.isfinite(check), power, math.nan)
+    if plan.needs_collective:
+        power, per_slot = _all_reduce(power, per_slot, request.is_inf, entry, device)
+        plans.last_size[request.context] = (4 if request.is_inf else 2) + (0 if per_slot is None else per_slot.numel())
+    root = 1.0 if request.is_inf else 1.0 / request.norm_type
+    total = power.pow(root)
+    per_slot = None if per_slot is None else per_slot.pow(root).to(acc)
+    return total.to(acc), per_slot, runs.to_scale
+
+
+def _powers(tensors: Sequence[torch.Tensor], request: _Request, acc: torch.dtype, device: torch.device) -> torch.Tensor:
+    r"""Per tensor, :math:`\|t\|_p^p` (the max-norm itself for ``inf``), float64 on ``device``."""
+    norms = _stacked_norms(tensors, request.norm_type, acc, request.foreach, device)
+    return norms if request.is_inf else norms.pow(request.norm_type)
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+
+def _by_device_and_dtype(items: Sequence[T], tensors: Sequence[torch.Tensor]) -> dict[tuple, list[T]]:
+    """``items`` grouped by the (device, dtype) of the matching ``tensors``, in order within a group."""
+    kinds = set(zip(map(_DEVICE, tensors), map(_DTYPE, tensors)))
+    if len(kinds) <= 1:  # the usual case, found without a Python line per tensor
+        return {kind: list(items) for kind in kinds}
+    groups: dict[tuple, list[T]] = {}
+    for item, t in zip(items, tensors):
+        groups.setdefault((t.device, t.dtype), []).append(item)
+    return groups
+
+
+def _use_foreach(foreach: bool | None, device: torch.device) -> bool:
+    supported = device_has_foreach_support(device)
+    if foreach and not supported:
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+    return supported if foreach is None else foreach
+
+
+def _stacked_norms(
+    tensors: Sequence[torch.Tensor], norm_type: float, dtype: torch.dtype, foreach: bool | None, device: torch.device
+) -> torch.Tensor:
+    """Per-tensor norms computed in ``dtype``, in the order of ``tensors`` (none is empty), as one
+    float64 tensor on ``device`` (one copy per device and dtype group, not one per tensor)."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    groups = _by_device_and_dtype(range(len(tensors)), tensors)
+    parts, order = [], []
+    for (group_device, _), indices in groups.items():
+        group = list(tensors) if len(groups) == 1 else [tensors[i] for i in indices]
+        if _use_foreach(foreach, group_device):
+            norms = list(foreach_norm(group, norm_type, dtype=dtype))
+        else:
+            norms = [torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in group]
+        parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
+        order.extend(indices)
+    if len(parts) == 1:
+        return parts[0]
+    stacked = torch.cat(parts)
+    return torch.empty_like(stacked).index_copy_(0, torch.tensor(order, device=device), stacked)
+
+
+def _collective_device(group: dist.ProcessGroup | None, like: torch.device) -> torch.device:
+    """Where the local sums meet for the all-reduce: the gradients' device, or the CPU for gloo."""
+    if like.type != "cpu" and dist.is_initialized() and dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    return like
+
+
+def _combine(powers: torch.Tensor, is_inf: bool) -> torch.Tensor:
+    if powers.numel() == 0:
+        return powers.new_zeros(())
+    return powers.amax() if is_inf else powers.sum()
+
+
+def _all_reduce(
+    local: torch.Tensor,
+    per_slot: torch.Tensor | None,
+    is_inf: bool,
+    entry: PlanEntry,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The one collective: sums (or maxes) the local contributions and checks, in the same buffer,
+    that every rank used the same plan. Returns the global (total, per-slot) powers. If any rank
+    held a ``nan``, the total is ``nan`` on every rank, and so is the slot that held it (``inf``
+    for the inf norm, whose MAX would drop a ``nan``). If the plans differ, where raising would
+    need a host sync, everything is ``nan``."""
+    plan = entry.plan
+    f, n = float(plan.fingerprint), dist.get_world_size(plan.group)
+    if is_inf:
+        # A MAX reduction may drop nan (gloo keeps whichever operand it holds), so nan travels as a
+        # flag; max(f) == f and max(-f) == -f on every rank exactly when all fingerprints are equal.
+        sent = expected = entry.constant(("sent", True), device, torch.float64, lambda: [f, -f])
+        parts = [local.reshape(1), torch.isnan(local).to(torch.float64).reshape(1), sent]
+    else:
+        # A SUM propagates nan by itself, and the fingerprints add up exactly (see NormPlan). Two
+        # different plans fail the check on every rank; with three or more, a rank whose fingerprint
+        # is exactly the mean of all would miss it (odds of about one in the fingerprint range).
+        sent = entry.constant(("sent", False), device, torch.float64, lambda: [f])
+        expected = entry.constant(("expected", False), device, torch.float64, lambda: [n * f])
+        parts = [local.reshape(1), sent]
+    head = sum(t.numel() for t in parts)  # where the per-slot values start
+    if per_slot is not None:
+        parts.append(torch.where(per_slot.isnan(), math.inf, per_slot) if is_inf else per_slot)
+    buffer = torch.cat(parts)
+    dist.all_reduce(buffer, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=plan.group)
+    agreed = torch.eq(buffer[head - sent.numel() : head], expected).all()
+    if device.type == "cpu" and not agreed:
+        raise _PlansDiffer()
+    poisoned = ~agreed | (buffer[1] > 0) if is_inf else ~agreed
+    total = torch.where(poisoned, math.nan, buffer[0])
+    return total, None if per_slot is None else torch.where(agreed, buffer[head:], math.nan)
+
+
+def _raise_if_nonfinite(total: torch.Tensor, norm_type: float) -> None:
+    if not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. This error is raised on every rank. To disable it, set "
+            "`error_if_nonfinite=False`."
+        )
+
+
+def _as_tensor_list(tensors: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)

@@ -1,0 +1,189 @@
+"""What the norm functions keep between calls: the plan of each gradient layout, and its runs.
+
+A plan (:mod:`lightning_ndclip.core._norm_plan`) costs a collective exchange to agree on; a layout's
+contiguous runs (:mod:`lightning_ndclip.core._runs`) a walk over its tensors. Both are kept, per
+layout, in a :class:`NormPlans`.
+
+**The invariant.** Every rank of a process group that makes the same norm calls with its
+``NormPlans``, in the same order, with gradients of the same layouts, finds or misses each plan
+together with the others: the keys are values (a DTensor's spec compares by mesh, placements, shape,
+stride and dtype; a plain tensor by shape and dtype; a mesh by its ranks and dim names; a process
+group by identity), and the caches' decisions depend on nothing but the sequence of keys. A rank
+whose own layout changed while the others' did not is the one exception: it misses alone, and
+:func:`probe` makes the others see it within their own all-reduce (see the norm's module).
+
+The caches grow when a dropped layout comes back (:class:`GrowingLRU`), so that a model cycling
+through more layouts than the capacity (an optimizer per layer) settles after one round.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from itertools import repeat
+from typing import Generic, TypeVar, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from lightning_ndclip._compat import dtensor_spec
+from lightning_ndclip.core._norm_plan import NormPlan
+from lightning_ndclip.core._runs import RunFinder
+
+V = TypeVar("V")
+
+
+class GrowingLRU(Generic[V]):
+    """``cache.get(key, make)``: the entry, made on a miss; the least recently used entries beyond the
+    capacity are dropped, and a miss on a key dropped before doubles the capacity (up to
+    ``max_capacity``). Its hits and misses depend only on the sequence of keys."""
+
+    def __init__(self, capacity: int = 16, max_capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self.max_capacity = max_capacity
+        self._entries: OrderedDict[Hashable, V] = OrderedDict()
+        self._dropped: OrderedDict[Hashable, None] = OrderedDict()  # at most max_capacity keys
+
+    def get(self, key: Hashable, make: Callable[[], V]) -> V:
+        entry = self._entries.get(key)
+        if entry is None:
+            if key in self._dropped:
+                self.capacity = min(2 * self.capacity, self.max_capacity)
+            return self.put(key, make())
+        self._entries.move_to_end(key)
+        return entry
+
+    def put(self, key: Hashable, entry: V) -> V:
+        """Store ``entry`` as the most recently used."""
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        self._dropped.pop(key, None)
+        while len(self._entries) > self.capacity:
+            self._dropped[self._entries.popitem(last=False)[0]] = None
+        while len(self._dropped) > self.max_capacity:
+            self._dropped.popitem(last=False)
+        return entry
+
+    def values(self) -> list[V]:
+        """The entries, least recently used first."""
+        return list(self._entries.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._dropped.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def layout_key(tensors: Sequence[torch.Tensor]) -> tuple:
+    """A layout as a value: each DTensor's spec (its hash is cached by PyTorch; a spec equal to the one
+    stored compares by identity first), each plain tensor's shape and dtype."""
+    if all(map(isinstance, tensors, repeat(DTensor))):  # the usual case, without a Python line per tensor
+        return tuple(map(dtensor_spec, cast("Sequence[DTensor]", tensors)))
+    return tuple([dtensor_spec(t) if isinstance(t, DTensor) else (t.shape, t.dtype) for t in tensors])
+
+
+@dataclass
+class PlanEntry:
+    """A layout's agreed plan, with what is derived from it once: the FSDP2 padding after each local
+    piece (see :mod:`lightning_ndclip.core._runs`), the run finder, and small device constants."""
+
+    plan: NormPlan
+    padding: tuple[int, ...]
+    finder: RunFinder = field(default_factory=RunFinder)
+    uncounted: tuple[int, ...] = ()  # the local tensors this rank holds but does not count (copies counted elsewhere)
+    constants: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.uncounted = tuple(i for i, counted in enumerate(self.plan.counted) if not counted)
+
+    def constant(self, key: tuple, device: torch.device, dtype: torch.dtype, make: Callable[[], list]) -> torch.Tensor:
+        """``torch.tensor(make())`` on ``device``, made on first use (no copy to the device per call)."""
+        full_key = (key, device, dtype)
+        if full_key not in self.constants:
+            self.constants[full_key] = torch.tensor(make(), dtype=dtype, device=device)
+        return self.constants[full_key]
+
+
+class NormPlans:
+    """The caches of the norm functions, for as long as this object lives.
+
+    It keeps, per gradient layout, the plan every rank agreed on (made by a collective exchange on
+    first use) and the contiguous runs of the gradients; and, per pipeline mesh, process group and
+    kind of norm, the size of the last all-reduce. Entries last until :meth:`clear`, until their
+    layout is among the least recently used beyond ``capacity``, or until this object is garbage.
+    Every rank of the process group must make the same norm calls with its instance, in the same
+    order, so that all ranks find or miss a plan together. ``len(plans)`` is the number of plans kept.
+
+    The functions of :mod:`lightning_ndclip.core.norm` take one as ``plans=``; with ``None`` they share
+    a module-level default instance that lives as long as the process. An owner with a shorter life
+    (a training run, a test) passes its own.
+
+    Args:
+        capacity: how many layouts are kept at first; it doubles, up to ``max_capacity``, whenever
+            a dropped layout comes back (a cycle of more layouts than it holds).
+        max_capacity: the most layouts kept.
+    """
+
+    def __init__(self, capacity: int = 16, max_capacity: int = 4096) -> None:
+        self.plans: GrowingLRU[PlanEntry] = GrowingLRU(capacity, max_capacity)
+        self.scale_runs: GrowingLRU[tuple[RunFinder, tuple[int, ...]]] = GrowingLRU(capacity, max_capacity)
+        # per (pp mesh, group, inf norm, per-tensor): the size of its last all-reduce, which a rank that
+        # misses alone joins (probe); keyed by the mesh and the group themselves, as the plans are
+        self.last_size: dict[tuple, int] = {}
+
+    @property
+    def capacity(self) -> int:
+        """How many layouts' plans are kept now."""
+        return self.plans.capacity
+
+    @property
+    def max_capacity(self) -> int:
+        """The most layouts' plans ever kept."""
+        return self.plans.max_capacity
+
+    def counted(self) -> tuple[bool, ...] | None:
+        """For diagnostics: per tensor of the most recently used plan, in the order they were
+        passed, whether this rank adds its local piece to the global norm (a piece held by several
+        ranks counts on one of them only); ``None`` when no plan is kept."""
+        entries = self.plans.values()
+        return entries[-1].plan.counted if entries else None
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        self.plans.clear()
+        self.scale_runs.clear()
+        self.last_size.clear()
+
+    def __len__(self) -> int:
+        """The number of plans kept."""
+        return len(self.plans)
+
+
+PROBE_MARK = float(2**55)
+"""Above any plan fingerprint (< 2**52), so that no sum or max of fingerprints equals it."""
+
+
+def probe(size: int, is_inf: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Join the norm's all-reduce (of the ``size`` it had last time in this context) with a marker where
+    the plan fingerprint goes (``[total, fingerprint, ...]``, or ``[total, nan flag, f, -f, ...]`` for
+    the inf norm), so that ranks that hit their cached plans see a disagreement and exchange plans
+    too. Returns whether every rank missed (a new layout everywhere). On accelerators, where ranks
+    that hit do not read the check on the host, this rank raises unless every rank missed."""
+    buffer = torch.zeros(size, dtype=torch.float64, device=device)
+    if is_inf:
+        buffer[2], buffer[3] = PROBE_MARK, -PROBE_MARK
+    else:
+        buffer[1] = PROBE_MARK
+    dist.all_reduce(buffer, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+    everyone = bool(buffer[3] == -PROBE_MARK) if is_inf else bool(buffer[1] == dist.get_world_size(group) * PROBE_MARK)
+    if not everyone and device.type != "cpu":
+        raise RuntimeError(
+            "this rank's gradient layout changed after its norm plan was cached, while other ranks kept "
+            "theirs (their norm is nan this step); every rank of a stage must pass gradients of the same layout"
+        )
+    return everyone  # on CPU the ranks that hit saw the marker and come to the exchange as well
+
