@@ -5,7 +5,7 @@ every logical element count **exactly once worldwide**, so that a single all-red
 sums (a max for the inf norm) yields the exact total:
 
 * inside a mesh instance, ``Shard`` / ``_StridedShard`` dims are disjoint pieces (all count) and
-  ``Replicate`` dims are copies (only coordinate 0 counts) — see :mod:`lightning_ndclip.core._layout`;
+  ``Replicate`` dims are copies (only coordinate 0 counts): :func:`describe`, which needs no other rank;
 * ranks of one pipeline stage that are *not* in a tensor's mesh instance hold further copies of the
   instance (a dense layer's FSDP mesh seen from another tp or ep coordinate; a DDP-style plain
   tensor on every rank): only the instance that contains the stage's lowest rank counts;
@@ -16,8 +16,8 @@ sums (a max for the inf norm) yields the exact total:
 Building a plan costs one ``all_gather_object`` over the group, in which ranks also check that they
 agree (same tensors per stage, consistent meshes, no unsupported placement): of a summary whose size
 does not grow with the number of tensors when all ranks are in one stage and agree, and of every
-rank's whole view otherwise (then a second one). Any problem is raised
-on **every** rank with the same message, so no rank is left waiting in a later collective.
+rank's whole view otherwise (then a second one). Any problem is raised on **every** rank with the
+same message, so no rank is left waiting in a later collective.
 """
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ import hashlib
 import operator
 import pickle
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from lightning_ndclip._compat import dtensor_spec, root_mesh
-from lightning_ndclip.core._layout import TensorLayout, describe
+from lightning_ndclip._compat import StridedShard, dtensor_spec, root_mesh
+from lightning_ndclip.core.mesh import mesh_ranks
 
 _SIGNATURE = operator.attrgetter("signature")
 _MESH_RANKS = operator.attrgetter("mesh_ranks")
@@ -46,6 +46,110 @@ PP_DIM_NAME = "pp"
 
 class NormPlanError(ValueError):
     """The ranks' gradient layouts cannot be normed exactly; raised identically on every rank."""
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """How one rank holds a logical gradient tensor; one object is shared by every tensor of the same
+    kind (the same DTensor spec and dtype, or the same shape and dtype for plain tensors).
+
+    Attributes:
+        signature: the stage-wide logical description, equal on every rank of a pipeline stage.
+        mesh_ranks: global ranks of the mesh instance holding the tensor, ``(rank,)`` for a plain one.
+        counted_in_mesh: this rank is the one member of its replica set inside the mesh instance.
+        replicated_everywhere: every mesh dim is ``Replicate`` (or the tensor is plain): every rank
+            of the instance holds the whole tensor.
+        problem: ``(kind, placement, mesh dim)`` when the tensor cannot be normed exactly (see
+            :meth:`error`), else ``None``.
+    """
+
+    signature: tuple
+    mesh_ranks: tuple[int, ...]
+    counted_in_mesh: bool
+    replicated_everywhere: bool
+    problem: tuple[str, str, str] | None = None
+
+    def error(self, name: str, rank: int) -> str | None:
+        """Why the tensor called ``name`` cannot be normed exactly, or ``None``."""
+        return None if self.problem is None else _message(self.problem, name, rank)
+
+
+def _placement_kind(placement: object) -> str:
+    if isinstance(placement, (Shard, StridedShard)):
+        return "shard"
+    if isinstance(placement, Replicate):
+        return "replicate"
+    if isinstance(placement, Partial):
+        return "partial"
+    return "unknown"
+
+
+def _dim_label(mesh: DeviceMesh, dim: int) -> str:
+    names = mesh.mesh_dim_names
+    return f"'{names[dim]}'" if names else str(dim)
+
+
+def _in_mesh(mesh: DeviceMesh, placements: tuple, rank: int) -> TensorLayout:
+    """How this rank holds any tensor of ``placements`` on ``mesh``; its signature holds the placements
+    and the mesh's shape and dim names."""
+    kinds = [_placement_kind(p) for p in placements]
+    coordinate = mesh.get_coordinate()
+    problem = next(
+        ((k, str(p), _dim_label(mesh, d)) for d, (k, p) in enumerate(zip(kinds, placements)) if k in ("partial", "unknown")),
+        None if coordinate is not None else ("outside", "", ""),
+    )
+    return TensorLayout(
+        signature=(tuple(str(p) for p in placements), tuple(mesh.shape), mesh.mesh_dim_names),
+        mesh_ranks=mesh_ranks(mesh) if coordinate is not None else (rank,),
+        counted_in_mesh=coordinate is not None and all(c == 0 for c, k in zip(coordinate, kinds) if k == "replicate"),
+        replicated_everywhere=all(k == "replicate" for k in kinds),
+        problem=problem,
+    )
+
+
+def _message(problem: tuple[str, str, str], name: str, rank: int) -> str:
+    kind, placement, dim = problem
+    if kind == "partial":
+        return (
+            f"gradient of {name} is Partial on mesh dim {dim} ({placement}): its local values are unreduced "
+            "pieces of a sum, and the norm of the pieces is not the norm of the sum. Reduce it first, e.g. "
+            "grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])."
+        )
+    if kind == "unknown":
+        return (
+            f"gradient of {name} has placement {placement} on mesh dim {dim}, which lightning_ndclip does not "
+            "know how to count."
+        )
+    return f"this rank ({rank}) is not part of the device mesh of {name}."
+
+
+def describe(tensors: Sequence[torch.Tensor], rank: int) -> list[TensorLayout]:
+    """Describe how this rank holds each of ``tensors`` (gradients, or parameters standing for them).
+
+    Worked out once per DTensor spec and dtype (a spec shared by several DTensors need not record
+    their dtype) and, for plain tensors, once per shape and dtype: the tensors of one kind share one
+    :class:`TensorLayout`. The mesh part is worked out once per (mesh, placements).
+    """
+    layouts: dict[tuple, TensorLayout] = {}
+    in_mesh: dict[tuple, TensorLayout] = {}
+    found = []
+    for tensor in tensors:
+        key = (dtensor_spec(tensor) if isinstance(tensor, DTensor) else tensor.shape, tensor.dtype)
+        if key not in layouts:
+            layouts[key] = _describe(tensor, rank, in_mesh)
+        found.append(layouts[key])
+    return found
+
+
+def _describe(tensor: torch.Tensor, rank: int, in_mesh: dict[tuple, TensorLayout]) -> TensorLayout:
+    logical = (tuple(tensor.shape), str(tensor.dtype))
+    if not isinstance(tensor, DTensor):
+        return TensorLayout(("plain", *logical), (rank,), True, True)
+    spec = dtensor_spec(tensor)
+    key = (spec.mesh, spec.placements)
+    if key not in in_mesh:
+        in_mesh[key] = _in_mesh(spec.mesh, spec.placements, rank)
+    return replace(in_mesh[key], signature=("dtensor", *logical, *in_mesh[key].signature))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ stretches exactly:
   ``Replicate`` parameter inside a unit of ``Shard`` ones), so norming a run equals norming its
   members, whatever the gaps hold;
 * a run to scale crosses a gap only when the caller declares it padding of the tensor before it
-  (FSDP2 pads uneven dim-0 shards; see :func:`lightning_ndclip.core._layout.dim0_padding`) and the gap
+  (FSDP2 pads uneven dim-0 shards; see :func:`dim0_padding`) and the gap
   has exactly that size: no other tensor lives there and nothing reads it, so scaling it is harmless.
   Other gaps are never written;
 * anything else (plain tensors, overlapping or non-contiguous views) is its own run.
@@ -28,14 +28,48 @@ import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain, groupby, repeat
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
-from lightning_ndclip._compat import view_base
+from lightning_ndclip._compat import StridedShard, dtensor_spec, local_tensors, view_base
 
 T = TypeVar("T")
 _DTYPE = operator.attrgetter("dtype")
+
+
+def dim0_padding(tensor: torch.Tensor) -> int:
+    """How many elements of padding follow this rank's local piece of ``tensor`` when its dim 0 is
+    split into equal padded chunks, as FSDP2 lays out the sharded gradients of a unit in one buffer.
+
+    Non-zero only for a DTensor whose dim 0 is split by a single plain ``Shard(0)`` (other mesh dims
+    ``Replicate`` or sharding other dims) and whose local chunk is short but not empty:
+    ``(ceil(D / W) - rows) * row_numel`` for global dim-0 size ``D`` over ``W`` ranks.
+    """
+    return dim0_paddings([tensor])[0]
+
+
+def dim0_paddings(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """:func:`dim0_padding` of every tensor, worked out once per DTensor spec and local shape."""
+    paddings: dict[tuple, int] = {}
+    found = []
+    for tensor, local in zip(tensors, local_tensors(tensors)):
+        key = (dtensor_spec(tensor), local.shape) if isinstance(tensor, DTensor) else None
+        if key is not None and key not in paddings:
+            paddings[key] = _dim0_padding(key[0], local.shape)
+        found.append(0 if key is None else paddings[key])
+    return tuple(found)
+
+
+def _dim0_padding(spec: Any, local_shape: torch.Size) -> int:
+    placements = spec.placements
+    on_dim0 = [d for d, p in enumerate(placements) if isinstance(p, (Shard, StridedShard)) and p.dim == 0]
+    if len(on_dim0) != 1 or type(placements[on_dim0[0]]) is not Shard:
+        return 0
+    rows = local_shape[0] if local_shape else 0
+    padded_rows = -(-spec.shape[0] // spec.mesh.size(on_dim0[0]))
+    return (padded_rows - rows) * (local_shape.numel() // rows) if 0 < rows < padded_rows else 0
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ import warnings
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_ndclip.core._layout import mesh_ranks
-from lightning_ndclip.core.mesh import ParallelMeshes
+from lightning_ndclip.core.mesh import ParallelMeshes, mesh_ranks
 
 __all__ = ["check_data_parallel_reduction"]
 
@@ -80,7 +80,7 @@ def _reduction_ranks(module: nn.Module) -> dict[nn.Parameter, set[int]]:
     """``{parameter: ranks its gradient is summed over}`` for the parameters an FSDP2 unit or DDP
     reduces. A unit reduces the parameters of its subtree that no nested unit holds."""
     found: dict[nn.Parameter, set[int]] = {}
-    ranks_of_mesh: dict[int, tuple[int, ...]] = {}  # many parameters share a mesh: read each once
+    ranks_of_mesh: dict[DeviceMesh, tuple[int, ...]] = {}  # many parameters share a mesh: read each once
 
     def visit(m: nn.Module, owner: set[int] | None, fsdp: bool) -> None:
         if isinstance(m, nn.parallel.DistributedDataParallel):
@@ -89,7 +89,9 @@ def _reduction_ranks(module: nn.Module) -> dict[nn.Parameter, set[int]]:
             owner, fsdp = set(), True
         for p in m.parameters(recurse=False):
             if fsdp and isinstance(p, DTensor):
-                found[p] = set(mesh_ranks(p.device_mesh, ranks_of_mesh))
+                if p.device_mesh not in ranks_of_mesh:
+                    ranks_of_mesh[p.device_mesh] = mesh_ranks(p.device_mesh)
+                found[p] = set(ranks_of_mesh[p.device_mesh])
             elif owner is not None and not fsdp:
                 found[p] = owner
         for child in m.children():

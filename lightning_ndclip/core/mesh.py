@@ -215,3 +215,8 @@ def one_rank_meshes(device_type: str, rank: int = 0) -> ParallelMeshes:
     meshes they are not in."""
     return ParallelDims(world_size=1)._new_mesh(device_type, first=rank)
 
+
+def mesh_ranks(mesh: DeviceMesh) -> tuple[int, ...]:
+    """The global ranks of the mesh instance this rank belongs to, in row-major mesh order."""
+    return tuple(int(r) for r in mesh.mesh.flatten().tolist())
+

@@ -44,10 +44,9 @@ from lightning_ndclip._compat import (
     foreach_norm,
     local_tensors,
 )
-from lightning_ndclip.core._layout import dim0_paddings
 from lightning_ndclip.core._norm_cache import NormPlans, PlanEntry, layout_key, probe
 from lightning_ndclip.core._norm_plan import NormPlanError, build_plan
-from lightning_ndclip.core._runs import RunFinder
+from lightning_ndclip.core._runs import RunFinder, dim0_paddings
 
 __all__ = ["GradNorms", "NormPlans", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norms"]
 
