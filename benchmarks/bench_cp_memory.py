@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from _common import spawn_and_report  # benchmarks/_common.py
 
-from lightning_ndclip.core.context import context_parallel_attention, shard_sequence
+from lightning_ndclip.core.context.attention import context_parallel_attention, shard_sequence
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("ring", "all_gather")

@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import lightning_ndclip as nd
 from lightning_ndclip._compat import foreach_mul_, foreach_norm
-from lightning_ndclip.core._runs import RunFinder, Runs, dim0_padding
+from lightning_ndclip.core.norm._runs import RunFinder, Runs, dim0_padding
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WIDTH_FACTORS = (1.0, 0.8, 1.25, 0.9)  # unit widths d0 -> d1 -> d2 -> d3 -> d0 (relative)

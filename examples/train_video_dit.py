@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ndclip import GlobalNormClip, NDParallelStrategy, ParallelPlan
-from lightning_ndclip.core.context import context_parallel_attention, shard_sequence
+from lightning_ndclip.core.context.attention import context_parallel_attention, shard_sequence
 
 TIME_FEATURES = 32
 

@@ -8,14 +8,10 @@ public name of both is exported here, the Lightning ones when those packages are
 
 from typing import Any
 
-from lightning_ndclip.core._norm_plan import NormPlanError
 from lightning_ndclip.core.agree import AgreedError
-from lightning_ndclip.core.context import context_parallel_attention, shard_sequence
-from lightning_ndclip.core.coverage import check_data_parallel_reduction
-from lightning_ndclip.core.expert_tensor_parallel import PackedExpertsParallel
+from lightning_ndclip.core.context.attention import context_parallel_attention, shard_sequence
+from lightning_ndclip.core.context.ring_attention import ring_attention
 from lightning_ndclip.core.experts import Experts, MoE, shard_experts
-from lightning_ndclip.core.hf import HF_STYLES, LatentKeyParallel, hf_tp_plan
-from lightning_ndclip.core.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from lightning_ndclip.core.loss import (
     SampleWeights,
     TokenCount,
@@ -25,8 +21,8 @@ from lightning_ndclip.core.loss import (
     sync_sample_weights,
     sync_token_count,
 )
-from lightning_ndclip.core.mesh import LIGHTNING_DIM_NAMES, MESH_DIM_NAMES, ParallelDims, ParallelMeshes
-from lightning_ndclip.core.norm import (
+from lightning_ndclip.core.norm import NormPlanError
+from lightning_ndclip.core.norm.clip_grad import (
     GradNorms,
     NormPlans,
     clip_grad_norm_,
@@ -34,7 +30,16 @@ from lightning_ndclip.core.norm import (
     get_total_norm,
     grad_norms,
 )
-from lightning_ndclip.core.parallelism import ParallelPlan, parallelize
+from lightning_ndclip.core.parallel.coverage import check_data_parallel_reduction
+from lightning_ndclip.core.parallel.expert_tensor_parallel import PackedExpertsParallel
+from lightning_ndclip.core.parallel.hf import HF_STYLES, LatentKeyParallel, hf_tp_plan
+from lightning_ndclip.core.parallel.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from lightning_ndclip.core.parallel.mesh import LIGHTNING_DIM_NAMES, MESH_DIM_NAMES, ParallelDims, ParallelMeshes
+from lightning_ndclip.core.parallel.plan import ParallelPlan, parallelize
+from lightning_ndclip.core.parallel.reduce import sum_allreduce_hook, use_sum_reduction
+from lightning_ndclip.core.parallel.replicas import broadcast_replicas_, check_replica_gradients
+from lightning_ndclip.core.parallel.summary import ModuleRow, ParallelSummary, summarize
+from lightning_ndclip.core.parallel.tensor_parallel import check_ties, tensor_parallelize, tied_parameters
 from lightning_ndclip.core.pipeline import (
     SCHEDULES,
     PipelineOptions,
@@ -46,11 +51,6 @@ from lightning_ndclip.core.pipeline import (
     sync_tied_parameters,
     tie_gradients,
 )
-from lightning_ndclip.core.reduce import sum_allreduce_hook, use_sum_reduction
-from lightning_ndclip.core.replicas import broadcast_replicas_, check_replica_gradients
-from lightning_ndclip.core.ring_attention import ring_attention
-from lightning_ndclip.core.summary import ModuleRow, ParallelSummary, summarize
-from lightning_ndclip.core.tensor_parallel import check_ties, tensor_parallelize, tied_parameters
 
 _LIGHTNING_NAMES = ("GlobalMeanLoss", "GlobalNormClip", "NDParallelStrategy", "VerifyOneDevice")
 

@@ -97,7 +97,7 @@ def cp_attention_inputs() -> dict:
     grad), ``positions``, ``local_sample_ids`` (two packed samples and padding), ``cp_group``."""
     import torch.distributed as dist
 
-    from lightning_ndclip.core.context import shard_sequence
+    from lightning_ndclip.core.context.attention import shard_sequence
 
     full, rank, size = _full_sequence(), dist.get_rank(), dist.get_world_size()
     ns: dict = {"cp_group": dist.new_group(), "_full": full}
@@ -202,7 +202,7 @@ def packed_cp_micro_batches() -> dict:
     grad); ``cp_group`` (the 2 ranks), ``dp_group`` (this rank alone: dp = 1)."""
     import torch.distributed as dist
 
-    from lightning_ndclip.core.context import shard_sequence
+    from lightning_ndclip.core.context.attention import shard_sequence
 
     rank = dist.get_rank()
     local = []
@@ -220,7 +220,7 @@ def weights_are_the_per_sample_mean(ns: dict) -> None:
     sample's valid tokens over both cp ranks; the loss summed over ranks is the mean of per-sample means."""
     import torch.distributed as dist
 
-    from lightning_ndclip.core.context import shard_sequence
+    from lightning_ndclip.core.context.attention import shard_sequence
 
     full = _packed_micro_batches()
     means = []
@@ -283,7 +283,7 @@ def packed_cp_one_micro_batch() -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_ndclip.core.context import shard_sequence
+    from lightning_ndclip.core.context.attention import shard_sequence
 
     mb = _packed_micro_batches()[0]
     ids = torch.where(mb["labels"] != -100, mb["sample_ids"], -1)  # masked tokens as padding
@@ -297,7 +297,7 @@ def one_micro_batch_is_the_per_sample_mean(ns: dict) -> None:
     """Each valid token's gradient is 1 / (B T_b) (B = 4 samples, T_b over both cp ranks)."""
     import torch.distributed as dist
 
-    from lightning_ndclip.core.context import shard_sequence
+    from lightning_ndclip.core.context.attention import shard_sequence
 
     mb = ns["_mb"]
     valid = mb["labels"] != -100

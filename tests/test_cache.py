@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_ndclip.core._norm_cache import GrowingLRU
+from lightning_ndclip.core.norm._cache import GrowingLRU
 
 
 def _round(cache: GrowingLRU, keys) -> int:

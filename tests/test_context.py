@@ -16,7 +16,7 @@ from torch.distributed.fsdp import fully_shard
 
 import lightning_ndclip as nd
 from lightning_ndclip._compat import flatten_mesh
-from lightning_ndclip.core.context import context_parallel_attention, shard_sequence
+from lightning_ndclip.core.context.attention import context_parallel_attention, shard_sequence
 from lightning_ndclip.core.loss import count_valid_tokens, sync_sample_weights, sync_token_count
 
 B, H, S, D = 2, 2, 12, 4

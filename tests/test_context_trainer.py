@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import lightning_ndclip as nd
-from lightning_ndclip.core.context import shard_sequence
+from lightning_ndclip.core.context.attention import shard_sequence
 from lightning_ndclip.core.loss import count_valid_tokens
 
 # --- end to end: NDParallelStrategy(dp_shard=2, cp=2, loss_normalization="sample_mean") ---

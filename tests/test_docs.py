@@ -107,7 +107,7 @@ def public_names() -> dict[str, set[str]]:
     for module, path in _modules().items():
         tree = _module_tree(path)
         exported = _module_all(tree, path) or []
-        origin = _reexports(tree) if module == PACKAGE else {}
+        origin = _reexports(tree)  # a package re-exporting its modules' names: documented where they are defined
         for name in exported:
             qualified = f"{module}.{name}"
             names[qualified] = {qualified} | ({origin[name]} if name in origin else set())

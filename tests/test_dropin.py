@@ -189,6 +189,6 @@ def test_sizes_on_two_nodes(kwargs, expected):
     strategy.parallel_devices = [torch.device("cpu")] * 4
     strategy.num_nodes = 2
     strategy._lightning_module = Mock()
-    with mock.patch("lightning_ndclip.core.mesh.ParallelDims.build_mesh"):  # no process group here
+    with mock.patch("lightning_ndclip.core.parallel.mesh.ParallelDims.build_mesh"):  # no process group here
         strategy.setup_environment()
     assert expected in strategy.parallel_dims.describe()

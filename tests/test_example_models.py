@@ -15,7 +15,7 @@ Each example's configurations on 4 CPU ranks (2 for the quickstart's default):
 * ``norm_demo.py``: FSDP2 x TP on some layers only (``dp_shard=2 x tp=2``).
 
 What the strategy adds to the examples' parallelization is mirrored: the declarative plan goes
-through :func:`lightning_ndclip.core.parallelism.parallelize` (with the root unit the strategy picks,
+through :func:`lightning_ndclip.core.parallel.plan.parallelize` (with the root unit the strategy picks,
 ``self.model``), the pipeline through :func:`lightning_ndclip.core.pipeline.build_pipeline` with the
 same split, and ``use_sum_reduction`` where the example sets ``loss_normalization`` (each rank then
 backpropagates its part of a loss whose sum over the ranks is the plain model's loss).

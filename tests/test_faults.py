@@ -59,7 +59,7 @@ def _check_raising_on_one_rank_case() -> str:
     from torch.distributed.fsdp import fully_shard
 
     from lightning_ndclip import ParallelDims
-    from lightning_ndclip.core import coverage
+    from lightning_ndclip.core.parallel import coverage
 
     meshes = ParallelDims(world_size=2, dp_shard=2).build_mesh("cpu")
     model = nn.Linear(4, 4)

@@ -219,7 +219,7 @@ def test_load_unknown_checkpoint_type(_, tmp_path):
 
 @mock.patch(f"{_MP}._setup_device_mesh")
 # our setup_environment builds the mesh with ParallelDims.build_mesh, not Lightning's _setup_device_mesh
-@mock.patch("lightning_ndclip.core.mesh.ParallelDims.build_mesh")
+@mock.patch("lightning_ndclip.core.parallel.mesh.ParallelDims.build_mesh")
 @mock.patch("torch.distributed.init_process_group")
 def test_set_timeout(init_process_group_mock, _, __):
     """Test that the timeout gets passed to the ``torch.distributed.init_process_group`` function."""

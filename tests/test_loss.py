@@ -147,7 +147,7 @@ def test_edge_cases_give_zero_not_nan():
 def _ddp_case(use_hook: bool) -> float:
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_ndclip.core.reduce import sum_allreduce_hook
+    from lightning_ndclip.core.parallel.reduce import sum_allreduce_hook
 
     window = [_packed_batch(20, 8)]
     reference = _reference_grads(window, hierarchical=False)

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from lightning_ndclip._compat import flatten_mesh
 from lightning_ndclip.core.loss import count_valid_tokens, sync_sample_weights, sync_token_count
-from lightning_ndclip.core.reduce import use_sum_reduction
+from lightning_ndclip.core.parallel.reduce import use_sum_reduction
 from lightning_ndclip.lightning.metrics import GlobalMeanLoss
 
 

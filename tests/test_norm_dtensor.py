@@ -173,7 +173,7 @@ def test_agreeing_ranks_exchange_a_summary_that_does_not_grow_with_the_tensors()
 
 def _shared_spec_case() -> list[tuple]:
     from lightning_ndclip._compat import dtensor_spec
-    from lightning_ndclip.core._norm_plan import describe
+    from lightning_ndclip.core.norm._plan import describe
 
     mesh = init_device_mesh("cpu", (2,))
     a = distribute_tensor(_full((4, 3), 0), mesh, [Shard(0)])

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import lightning_ndclip as nd
-from lightning_ndclip.core._runs import RunFinder, dim0_padding
+from lightning_ndclip.core.norm._runs import RunFinder, dim0_padding
 
 GLOBAL_BATCH = 8
 

@@ -38,7 +38,8 @@ def test_the_pure_pytorch_core_imports_without_lightning():
         "import sys\n"
         "for m in ('lightning', 'lightning.pytorch', 'lightning.fabric', 'torchmetrics'): sys.modules[m] = None\n"
         "import lightning_ndclip as nd\n"
-        "from lightning_ndclip.core import context, experts, loss, mesh, norm, pipeline, reduce\n"
+        "from lightning_ndclip.core import agree, context, experts, loss, norm, parallel, pipeline\n"
+        "from lightning_ndclip.core.parallel import coverage, hf, mesh, plan, reduce, replicas, summary, tensor_parallel\n"
         "assert nd.clip_grad_norm_ and nd.sync_token_count and nd.ParallelDims\n"
         "try:\n"
         "    nd.GlobalNormClip\n"
@@ -93,3 +94,36 @@ def test_the_core_reaches_no_lightning_name_directly_or_lazily():
         "h = importlib.import_module('lightning.fabric')\n"
     )
     assert _lightning_imports(planted) == ["lightning.pytorch", "lightning.fabric", "_compat.metadata_filename"]
+
+
+_MAY_IMPORT = {  # each part of the core, and the other parts it may import (lightning_ndclip/core/__init__.py)
+    "norm": {"parallel.mesh"},
+    "loss": {"agree"},
+    "parallel": set(),
+    "context": set(),
+    "pipeline": set(),
+    "experts": set(),
+    "agree": set(),
+}
+
+
+def test_each_part_of_the_core_imports_only_what_its_docstring_allows():
+    core = Path(lightning_ndclip.__file__).parent / "core"
+    wrong = []
+    for path in sorted(core.rglob("*.py")):
+        relative = path.relative_to(core).with_suffix("")
+        if relative.parts == ("__init__",):
+            continue
+        part = relative.parts[0]
+        allowed = _MAY_IMPORT[part] | {part}
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for module in modules:
+                if not module.startswith("lightning_ndclip.core.") or module.count(".") < 2:
+                    continue
+                target = module.removeprefix("lightning_ndclip.core.")
+                if not any(target == a or target.startswith(f"{a}.") for a in allowed):
+                    wrong.append(f"{relative}: {module}")
+    assert not wrong, wrong

@@ -1,4 +1,4 @@
-"""Ring attention (``lightning_ndclip.core.ring_attention``, the default ``kv_exchange`` of
+"""Ring attention (``lightning_ndclip.core.context.ring_attention``, the default ``kv_exchange`` of
 ``context_parallel_attention``) equals single-device attention in float64, outputs and q/k/v
 gradients, on 2 and 4 cp ranks; the reference is ``scaled_dot_product_attention`` over the whole
 unsharded sequence on one process."""
@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from harness import run_on_ranks
 
-from lightning_ndclip.core.context import context_parallel_attention, shard_sequence
-from lightning_ndclip.core.ring_attention import ring_attention
+from lightning_ndclip.core.context.attention import context_parallel_attention, shard_sequence
+from lightning_ndclip.core.context.ring_attention import ring_attention
 
 B, H, S, D = 2, 2, 48, 8
 TOLERANCE = 1e-10

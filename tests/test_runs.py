@@ -7,7 +7,7 @@ import math
 import torch
 
 from lightning_ndclip._compat import foreach_mul_
-from lightning_ndclip.core._runs import RunFinder
+from lightning_ndclip.core.norm._runs import RunFinder
 
 
 def _elements(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import lightning_ndclip as nd
 from lightning_ndclip.core.experts import shard_experts
-from lightning_ndclip.core.summary import ModuleRow, summarize
+from lightning_ndclip.core.parallel.summary import ModuleRow, summarize
 
 
 class Block(nn.Module):

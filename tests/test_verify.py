@@ -21,7 +21,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import lightning_ndclip as nd
-from lightning_ndclip.core.context import shard_sequence
+from lightning_ndclip.core.context.attention import shard_sequence
 
 V, D = 16, 8
 

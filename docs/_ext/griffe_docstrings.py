@@ -7,7 +7,7 @@ Markdown does not know. Before mkdocstrings renders them, this extension rewrite
 * grouped parameters, ``q, k, v: local tensors`` in an ``Args:`` section, into one entry per name
   with the shared description, so Griffe can match each name to the signature (``--strict`` fails
   on a parameter it cannot match, which is how a renamed argument is caught);
-* roles such as ``:func:`get_total_norm``` or ``:class:`~lightning_ndclip.core.mesh.ParallelDims```
+* roles such as ``:func:`get_total_norm``` or ``:class:`~lightning_ndclip.core.parallel.mesh.ParallelDims```
   into optional cross-references (a link when the target is rendered somewhere in the site, plain
   code otherwise: never a warning);
 * ``:math:`...``` into a small HTML rendering of the LaTeX (sums, fractions, sub/superscripts),

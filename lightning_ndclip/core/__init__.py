@@ -2,5 +2,16 @@
 
 Usable on its own (a plain training loop, ``docs/howto/pure-pytorch.md``) and tested without
 Lightning installed. Its public names are exported by :mod:`lightning_ndclip`; modules whose names
-start with ``_`` are internal.
+start with ``_`` are internal. The parts, and what each may import of the others (``tests/test_package.py``
+checks it):
+
+- :mod:`~lightning_ndclip.core.norm`: the exact global norm and clipping; imports ``parallel.mesh``;
+- :mod:`~lightning_ndclip.core.loss`: the exact loss normalization (counts, weights, shares); imports ``agree``;
+- :mod:`~lightning_ndclip.core.parallel`: the mesh and the parallel wrapping (tensor parallel, FSDP2
+  plans, Hugging Face plans and checkpoints) and its checks (coverage, replicas, summary, SUM
+  reductions); imports nothing else of the core;
+- :mod:`~lightning_ndclip.core.context`: context parallelism (sequence shards, ring attention); imports nothing else;
+- :mod:`~lightning_ndclip.core.pipeline`: pipeline stages and schedules; imports nothing else;
+- :mod:`~lightning_ndclip.core.experts`: mixture of experts and expert parallelism; imports nothing else;
+- :mod:`~lightning_ndclip.core.agree`: errors raised alike on every rank of a group; imports nothing else.
 """

@@ -13,7 +13,7 @@ hold different numbers of tokens: a token on a rank with :math:`N_k` tokens gets
   and micro-batches (a sample split over cp ranks counts once). Each rank backpropagates
   :math:`\sum_{i\ \text{local}} \ell_i / (B\,T_{b(i)})`;
 
-and then every data-parallel gradient reduction is a plain SUM (:mod:`lightning_ndclip.core.reduce`).
+and then every data-parallel gradient reduction is a plain SUM (:mod:`lightning_ndclip.core.parallel.reduce`).
 
 The counts are synchronized **before** backward, as device tensors (no host sync), with one small
 all-reduce per optimizer step for the token mean and two for the hierarchical mean (per-sample

@@ -24,8 +24,8 @@ from torch import nn
 from lightning_ndclip._compat import tree_leaves
 from lightning_ndclip.core.agree import AgreedError, raise_agreed
 from lightning_ndclip.core.loss import MicroBatchShare
-from lightning_ndclip.core.mesh import ParallelMeshes
-from lightning_ndclip.core.parallelism import ParallelPlan
+from lightning_ndclip.core.parallel.mesh import ParallelMeshes
+from lightning_ndclip.core.parallel.plan import ParallelPlan
 from lightning_ndclip.core.pipeline import (
     PipelineOptions,
     build_pipeline,

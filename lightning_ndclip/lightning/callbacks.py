@@ -21,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_ndclip import _compat
-from lightning_ndclip.core.norm import GradNorms, NormPlans, grad_norms
+from lightning_ndclip.core.norm.clip_grad import GradNorms, NormPlans, grad_norms
 
 __all__ = ["GlobalNormClip"]
 

@@ -40,17 +40,17 @@ from typing_extensions import override
 
 from lightning_ndclip import _compat
 from lightning_ndclip.core.agree import call_hook, run_agreed
-from lightning_ndclip.core.coverage import check_data_parallel_reduction
-from lightning_ndclip.core.hf import transformers_models
-from lightning_ndclip.core.hf_checkpoint import load_hf_checkpoint
 from lightning_ndclip.core.loss import MicroBatchShare, local_loss_sum, loss_share, sync_sample_weights
-from lightning_ndclip.core.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError, check_sizes
-from lightning_ndclip.core.parallelism import ParallelPlan, shared_parameters
+from lightning_ndclip.core.parallel.coverage import check_data_parallel_reduction
+from lightning_ndclip.core.parallel.hf import transformers_models
+from lightning_ndclip.core.parallel.hf_checkpoint import load_hf_checkpoint
+from lightning_ndclip.core.parallel.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError, check_sizes
+from lightning_ndclip.core.parallel.plan import ParallelPlan, shared_parameters
+from lightning_ndclip.core.parallel.reduce import use_sum_reduction
+from lightning_ndclip.core.parallel.replicas import broadcast_replicas_, check_replica_gradients
+from lightning_ndclip.core.parallel.summary import ParallelSummary, summarize
+from lightning_ndclip.core.parallel.tensor_parallel import check_ties, tied_parameters
 from lightning_ndclip.core.pipeline import PipelineOptions
-from lightning_ndclip.core.reduce import use_sum_reduction
-from lightning_ndclip.core.replicas import broadcast_replicas_, check_replica_gradients
-from lightning_ndclip.core.summary import ParallelSummary, summarize
-from lightning_ndclip.core.tensor_parallel import check_ties, tied_parameters
 from lightning_ndclip.lightning._checkpoint import (
     file_system_path,
     refuse_incomplete_checkpoint,
@@ -175,7 +175,7 @@ _OPTIMIZES_MANUALLY = (
 class NDParallelStrategy(ModelParallelStrategy):
     """N-D parallel training: FSDP2 / HSDP, tensor, context, pipeline and expert parallel dims on one mesh.
 
-    The strategy builds the mesh (:class:`~lightning_ndclip.core.mesh.ParallelDims`) and hands it to
+    The strategy builds the mesh (:class:`~lightning_ndclip.core.parallel.mesh.ParallelDims`) and hands it to
     the LightningModule as ``self.device_mesh`` (dims ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``,
     ``tp``; views ``dp``, ``dp_shard_cp``, ``fsdp``, ``dp_cp``; and ``ModelParallelStrategy``'s names
     ``"data_parallel"`` = ``fsdp`` and ``"tensor_parallel"`` = ``tp``), so a LightningModule written
@@ -197,7 +197,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             other defaults to ``"auto"``); ``dp_replicate`` / ``dp_shard`` / ``tp`` may then not be given.
         tensor_parallel_size: ``ModelParallelStrategy``'s name for ``tp`` (an int, or ``"auto"``: the
             devices per node).
-        plan: a declarative plan (:class:`~lightning_ndclip.core.parallelism.ParallelPlan`:
+        plan: a declarative plan (:class:`~lightning_ndclip.core.parallel.plan.ParallelPlan`:
             ``tp_plan``, ``fsdp_units``, ``activation_checkpointing``, ``mp_policy``) for a
             LightningModule with no parallel code and no ``configure_model``.
         pipeline: with ``pp > 1``, how the pipeline is built and run
@@ -226,13 +226,13 @@ class NDParallelStrategy(ModelParallelStrategy):
             normalizes its loss by global counts itself. Implied by ``loss_normalization``.
         init_sync: after ``configure_model``, give every replica of a parameter or buffer (its
             ``Replicate`` mesh dims; tied pipeline copies) the value of its copy at coordinate 0, as
-            DDP does (:func:`~lightning_ndclip.core.replicas.broadcast_replicas_`).
+            DDP does (:func:`~lightning_ndclip.core.parallel.replicas.broadcast_replicas_`).
         summary: when training starts, print on rank zero what was parallelized how
-            (:func:`~lightning_ndclip.core.summary.summarize`) and what the first step counts.
+            (:func:`~lightning_ndclip.core.parallel.summary.summarize`) and what the first step counts.
         save_distributed_checkpoint: one shard per rank (``True``), or a full checkpoint on rank 0.
         hf_checkpoint: a Hugging Face checkpoint directory (``*.safetensors``) to load into the
             LightningModule's ``transformers`` model once it is parallelized, each rank reading only its
-            shards (:func:`~lightning_ndclip.core.hf_checkpoint.load_hf_checkpoint`). Build the model on
+            shards (:func:`~lightning_ndclip.core.parallel.hf_checkpoint.load_hf_checkpoint`). Build the model on
             the meta device (``with torch.device("meta")``, or ``Trainer.init_module(empty_init=True)``)
             and no rank ever holds all of it. Not with ``pp > 1`` (a ``ValueError``).
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: from the accelerator.
@@ -439,7 +439,7 @@ class NDParallelStrategy(ModelParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """As Lightning's; at the first step of a run with ``tp > 1``, once the window's gradients exist and
         before any callback sees them, checks that parameters the tensor-parallel ranks hold as copies got
-        the same gradient on each (:func:`~lightning_ndclip.core.replicas.check_replica_gradients`)."""
+        the same gradient on each (:func:`~lightning_ndclip.core.parallel.replicas.check_replica_gradients`)."""
         if not self._replica_gradients_checked and self._dims is not None and self._dims.tp > 1:
             self._replica_gradients_checked = True
             closure = partial(self._checked_closure, closure)

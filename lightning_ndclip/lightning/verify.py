@@ -60,8 +60,8 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_ndclip import _compat
-from lightning_ndclip.core.mesh import ParallelMeshes, one_rank_meshes
-from lightning_ndclip.core.tensor_parallel import tied_parameters
+from lightning_ndclip.core.parallel.mesh import ParallelMeshes, one_rank_meshes
+from lightning_ndclip.core.parallel.tensor_parallel import tied_parameters
 from lightning_ndclip.lightning.callbacks import GlobalNormClip
 
 __all__ = ["VerifyOneDevice"]

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_ndclip._compat import StridedShard, dtensor_spec, root_mesh
-from lightning_ndclip.core.mesh import mesh_ranks
+from lightning_ndclip.core.parallel.mesh import mesh_ranks
 
 _SIGNATURE = operator.attrgetter("signature")
 _MESH_RANKS = operator.attrgetter("mesh_ranks")

@@ -16,8 +16,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_ndclip._compat import checkpoint_wrapper
-from lightning_ndclip.core.mesh import ParallelMeshes
-from lightning_ndclip.core.tensor_parallel import output_not_a_view, tensor_parallelize
+from lightning_ndclip.core.parallel.mesh import ParallelMeshes
+from lightning_ndclip.core.parallel.tensor_parallel import output_not_a_view, tensor_parallelize
 
 __all__ = ["ParallelPlan", "parallelize"]
 
@@ -61,8 +61,8 @@ def parallelize(
             ``dp_replicate x dp_shard_cp`` for HSDP).
         tp_plan: ``{module name: ParallelStyle}`` (names relative to ``module``; wildcards as in
             PyTorch), or ``"auto"``: the own plans of the Hugging Face ``transformers`` models inside
-            ``module`` (:func:`lightning_ndclip.core.hf.hf_tp_plan`). Applied by
-            :func:`~lightning_ndclip.core.tensor_parallel.tensor_parallelize`: ``parallelize_module``
+            ``module`` (:func:`lightning_ndclip.core.parallel.hf.hf_tp_plan`). Applied by
+            :func:`~lightning_ndclip.core.parallel.tensor_parallel.tensor_parallelize`: ``parallelize_module``
             keeping tied parameters (a tied embedding and LM head) one parameter.
         fsdp_units: module classes that each become one ``fully_shard`` unit (e.g. the transformer
             block); the root gets a unit for the remaining parameters.
@@ -88,7 +88,7 @@ def parallelize(
         if meshes["tp"].size() == 1:
             raise ValueError("tp_plan was given but tp=1; set tp > 1 or drop tp_plan")
         if tp_plan == "auto":
-            from lightning_ndclip.core.hf import hf_tp_plan  # needs transformers only when asked for
+            from lightning_ndclip.core.parallel.hf import hf_tp_plan  # needs transformers only when asked for
 
             tp_plan = hf_tp_plan(module)
         tensor_parallelize(module, meshes["tp"], tp_plan)

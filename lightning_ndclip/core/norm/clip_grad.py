@@ -8,18 +8,18 @@ For gradients :math:`g_1, \dots, g_k` of one logical model, viewed as a single f
     \|G\|_\infty = \max_x |x|,
 
 whatever the mesh: every rank adds :math:`|x|^p` over the elements it is the designated holder of
-(see :mod:`lightning_ndclip.core._norm_plan`), and one all-reduce (SUM, or MAX for the inf norm) over the group
+(see :mod:`lightning_ndclip.core.norm._plan`), and one all-reduce (SUM, or MAX for the inf norm) over the group
 yields the exact total on every rank. No gradient is gathered, no ``full_tensor()`` is called, and
 nothing moves between host and device: the norm and the clip coefficient stay device tensors.
 
 The functions mirror :func:`torch.nn.utils.get_total_norm`, :func:`torch.nn.utils.clip_grad_norm_`
 and :func:`torch.nn.utils.clip_grads_with_norm_`, and accept the same arguments, plus keyword-only
 ones for what a single device does not need (pipeline mesh, tied parameters, process group) and for
-the caches they keep (:class:`NormPlans`, :mod:`lightning_ndclip.core._norm_cache`).
+the caches they keep (:class:`NormPlans`, :mod:`lightning_ndclip.core.norm._cache`).
 
 One call, top to bottom (:func:`_global_norm`): the layout's plan (cached; agreed with every rank on
 first use), the local powers :math:`\sum |x|^p` of the counted pieces (the contiguous runs of FSDP2's
-buffers, :mod:`lightning_ndclip.core._runs`), one all-reduce that also checks that every rank used the
+buffers, :mod:`lightning_ndclip.core.norm._runs`), one all-reduce that also checks that every rank used the
 same plan, the root; clipping multiplies every local piece by one device coefficient.
 """
 
@@ -44,9 +44,9 @@ from lightning_ndclip._compat import (
     foreach_norm,
     local_tensors,
 )
-from lightning_ndclip.core._norm_cache import NormPlans, PlanEntry, layout_key, probe
-from lightning_ndclip.core._norm_plan import NormPlanError, build_plan
-from lightning_ndclip.core._runs import RunFinder, dim0_paddings
+from lightning_ndclip.core.norm._cache import NormPlans, PlanEntry, layout_key, probe
+from lightning_ndclip.core.norm._plan import NormPlanError, build_plan
+from lightning_ndclip.core.norm._runs import RunFinder, dim0_paddings
 
 __all__ = ["GradNorms", "NormPlans", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norms"]
 
@@ -215,7 +215,7 @@ def _scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool |
 
 
 def _scale_runs(grads: Sequence[torch.Tensor], plans: NormPlans) -> list[torch.Tensor]:
-    """The contiguous runs covering every local element of ``grads`` (see :mod:`lightning_ndclip.core._runs`)."""
+    """The contiguous runs covering every local element of ``grads`` (see :mod:`lightning_ndclip.core.norm._runs`)."""
     finder, padding = plans.scale_runs.get(layout_key(grads), lambda: (RunFinder(), dim0_paddings(grads)))
     return finder.runs(local_tensors(grads), [True] * len(grads), padding).to_scale
 

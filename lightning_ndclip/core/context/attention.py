@@ -10,7 +10,7 @@ The ranks of a context-parallel (cp) group hold the same rows and each a part of
   mask (causal by global position, and/or block-diagonal by packed sample). How the ranks see each
   other's K and V is ``kv_exchange``:
 
-  - ``"ring"`` (default): :func:`~lightning_ndclip.core.ring_attention.ring_attention`. K/V blocks go
+  - ``"ring"`` (default): :func:`~lightning_ndclip.core.context.ring_attention.ring_attention`. K/V blocks go
     round the cp ring point to point and each rank merges its blocks' results with the log-sum-exp
     rule; the backward passes the dK/dV accumulators round the same way. O(S/cp) memory per rank.
   - ``"all_gather"``: K and V (and their positions / sample ids) are all-gathered and attended in one
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_ndclip.core.ring_attention import ring_attention
+from lightning_ndclip.core.context.ring_attention import ring_attention
 
 __all__ = ["context_parallel_attention", "shard_sequence"]
 
@@ -126,7 +126,7 @@ def context_parallel_attention(
         sample_ids: ``[batch, local_seq]`` packed-sample ids of the local tokens (``-1`` padding):
             tokens attend only within their sample (padding queries attend to padding only).
         kv_exchange: ``"ring"``: K/V blocks passed round the cp ring, O(S/cp) memory per rank
-            (:func:`~lightning_ndclip.core.ring_attention.ring_attention`, key tiles of 1024);
+            (:func:`~lightning_ndclip.core.context.ring_attention.ring_attention`, key tiles of 1024);
             ``"all_gather"``: the whole K/V gathered on every rank, memory growing with S. Unused
             without context parallelism (``group`` ``None`` or of size 1).
 

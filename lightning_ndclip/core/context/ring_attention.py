@@ -37,7 +37,7 @@ backward, up to three dK/dV accumulators (received, being summed, being sent), O
 buffers ``[batch, heads, L, t]``: one in forward, two in backward (probabilities and score
 gradient). Nothing of size ``S``.
 
-**Masks and precision** as :func:`~lightning_ndclip.core.context.context_parallel_attention`: causal
+**Masks and precision** as :func:`~lightning_ndclip.core.context.attention.context_parallel_attention`: causal
 by global position, block-diagonal by packed sample id (``-1``: padding, which attends to padding).
 Key tiles that are entirely masked for every local query are skipped; which ones is read on the
 host once per key block (one device synchronization per ring step, not one per tile). float32 / float64 inputs are
@@ -69,7 +69,7 @@ def ring_attention(
 ) -> torch.Tensor:
     """Exact attention of local queries over the whole cp-sharded sequence, K/V passed round a ring.
 
-    What :func:`~lightning_ndclip.core.context.context_parallel_attention` runs by default
+    What :func:`~lightning_ndclip.core.context.attention.context_parallel_attention` runs by default
     (``kv_exchange="ring"``); call it directly to choose ``block_size``.
 
     Args:
@@ -77,7 +77,7 @@ def ring_attention(
             every rank of ``group``.
         group: the cp process group (of any size, 1 included).
         positions: global positions of the local tokens (from
-            :func:`~lightning_ndclip.core.context.shard_sequence`), ``[local_seq]``.
+            :func:`~lightning_ndclip.core.context.attention.shard_sequence`), ``[local_seq]``.
         is_causal: mask keys at later global positions.
         sample_ids: ``[batch, local_seq]`` packed-sample ids of the local tokens (``-1`` padding):
             tokens attend only within their sample (padding queries attend to padding only).

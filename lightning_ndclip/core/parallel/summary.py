@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_ndclip._compat import StridedShard, dtensor_spec
-from lightning_ndclip.core.mesh import MESH_DIM_NAMES, ParallelDims, ParallelMeshes
+from lightning_ndclip.core.parallel.mesh import MESH_DIM_NAMES, ParallelDims, ParallelMeshes
 
 __all__ = ["ModuleRow", "ParallelSummary", "summarize"]
 

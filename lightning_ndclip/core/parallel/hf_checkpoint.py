@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_ndclip import _compat
-from lightning_ndclip.core.tensor_parallel import tied_parameters
+from lightning_ndclip.core.parallel.tensor_parallel import tied_parameters
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint"]
 

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from lightning_ndclip import _compat
-from lightning_ndclip.core.tensor_parallel import gradient_summed_over
+from lightning_ndclip.core.parallel.tensor_parallel import gradient_summed_over
 
 __all__ = ["PackedExpertsParallel"]
 

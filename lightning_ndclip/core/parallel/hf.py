@@ -4,7 +4,7 @@ A ``transformers`` model ships its plan as strings: ``model.tp_plan``, e.g.
 ``{"model.layers.*.self_attn.q_proj": "colwise", ..., "lm_head": "colwise_gather_output"}``.
 :func:`hf_tp_plan` turns the plans of the models inside a module into the
 ``{module name: ParallelStyle}`` that :func:`torch.distributed.tensor.parallel.parallelize_module`
-(and :func:`lightning_ndclip.core.parallelism.parallelize`, ``ParallelPlan(tp_plan="auto")``) take.
+(and :func:`lightning_ndclip.core.parallel.plan.parallelize`, ``ParallelPlan(tp_plan="auto")``) take.
 
 Only the styles plain PyTorch expresses are mapped, each to the layouts ``transformers`` gives it:
 
@@ -20,7 +20,7 @@ Only the styles plain PyTorch expresses are mapped, each to the layouts ``transf
 ``replicated_with_grad_allreduce``         ``SequenceParallel(sequence_dim=-2)`` on the heads tp splits:
                                            weights replicated, gradient summed over tp (Qwen3 / Gemma3
                                            ``q_norm`` / ``k_norm``)
-``moe_tp_experts`` (with ``packed_colwise`` :class:`~lightning_ndclip.core.expert_tensor_parallel.PackedExpertsParallel`:
+``moe_tp_experts`` (with ``packed_colwise`` :class:`~lightning_ndclip.core.parallel.expert_tensor_parallel.PackedExpertsParallel`:
 and ``rowwise`` on its two weights)        every expert split along its intermediate width (Mixtral,
                                            Qwen3-MoE, DeepSeek-V2)
 ``mla_kv_a_proj``                          :class:`LatentKeyParallel`: the weight replicated, the
@@ -48,8 +48,8 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from lightning_ndclip import _compat
-from lightning_ndclip.core.expert_tensor_parallel import PackedExpertsParallel
-from lightning_ndclip.core.tensor_parallel import gradient_summed_over, matches_plan_key
+from lightning_ndclip.core.parallel.expert_tensor_parallel import PackedExpertsParallel
+from lightning_ndclip.core.parallel.tensor_parallel import gradient_summed_over, matches_plan_key
 
 __all__ = ["HF_STYLES", "LatentKeyParallel", "hf_tp_plan"]
 

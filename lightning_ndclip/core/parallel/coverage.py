@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_ndclip.core.mesh import ParallelMeshes, mesh_ranks
+from lightning_ndclip.core.parallel.mesh import ParallelMeshes, mesh_ranks
 
 __all__ = ["check_data_parallel_reduction"]
 

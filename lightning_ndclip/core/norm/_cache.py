@@ -1,7 +1,7 @@
 """What the norm functions keep between calls: the plan of each gradient layout, and its runs.
 
-A plan (:mod:`lightning_ndclip.core._norm_plan`) costs a collective exchange to agree on; a layout's
-contiguous runs (:mod:`lightning_ndclip.core._runs`) a walk over its tensors. Both are kept, per
+A plan (:mod:`lightning_ndclip.core.norm._plan`) costs a collective exchange to agree on; a layout's
+contiguous runs (:mod:`lightning_ndclip.core.norm._runs`) a walk over its tensors. Both are kept, per
 layout, in a :class:`NormPlans`.
 
 **The invariant.** Every rank of a process group that makes the same norm calls with its
@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_ndclip._compat import dtensor_spec
-from lightning_ndclip.core._norm_plan import NormPlan
-from lightning_ndclip.core._runs import RunFinder
+from lightning_ndclip.core.norm._plan import NormPlan
+from lightning_ndclip.core.norm._runs import RunFinder
 
 V = TypeVar("V")
 
@@ -89,7 +89,7 @@ def layout_key(tensors: Sequence[torch.Tensor]) -> tuple:
 @dataclass
 class PlanEntry:
     """A layout's agreed plan, with what is derived from it once: the FSDP2 padding after each local
-    piece (see :mod:`lightning_ndclip.core._runs`), the run finder, and small device constants."""
+    piece (see :mod:`lightning_ndclip.core.norm._runs`), the run finder, and small device constants."""
 
     plan: NormPlan
     padding: tuple[int, ...]
@@ -118,7 +118,7 @@ class NormPlans:
     Every rank of the process group must make the same norm calls with its instance, in the same
     order, so that all ranks find or miss a plan together. ``len(plans)`` is the number of plans kept.
 
-    The functions of :mod:`lightning_ndclip.core.norm` take one as ``plans=``; with ``None`` they share
+    The functions of :mod:`lightning_ndclip.core.norm.clip_grad` take one as ``plans=``; with ``None`` they share
     a module-level default instance that lives as long as the process. An owner with a shorter life
     (a training run, a test) passes its own.
 
