@@ -471,40 +471,27 @@ def test_a_cycle_of_more_layouts_than_the_cache_holds_settles_to_one_collective_
     assert min(fixed[1:]) > 3 * 40, fixed
 
 
-def _dropped_layout_case() -> tuple[bool, bool]:
-    import gc
-    import weakref
-
+def _equal_layout_case() -> tuple[bool, bool, int, list[int]]:
     from lightning_ndclip._compat import dtensor_spec
 
-    plans = nd.NormPlans(capacity=1, max_capacity=4)
+    plans = nd.NormPlans()
     mesh = init_device_mesh("cpu", (2,))
-
-    def layout(seed: int, cols: int) -> torch.nn.Parameter:
-        param = torch.nn.Parameter(distribute_tensor(_full((2, cols), seed), mesh, [Shard(0)]))
-        param.grad = distribute_tensor(_full((2, cols), seed + 1), mesh, [Shard(0)])
-        return param
-
-    first = layout(0, 3)
-    spec = weakref.ref(dtensor_spec(first.grad))
-    nd.clip_grad_norm_([first], 1.0, plans=plans)  # a plan and, for the scale, runs of this layout
-    nd.clip_grads_with_norm_([first], 1.0, torch.tensor(1.0), plans=plans)
-    second = layout(2, 5)
-    nd.clip_grad_norm_([second], 1.0, plans=plans)
-    nd.clip_grads_with_norm_([second], 1.0, torch.tensor(1.0), plans=plans)  # both drop the first layout
-    del first
-    gc.collect()
-    kept = spec() is not None
-    plans.clear()
-    gc.collect()
-    return kept, spec() is None
+    first, second = ([distribute_tensor(_full((2, 3), seed), mesh, [Shard(0)])] for seed in (0, 1))
+    counts = []
+    for grads in (first, second, first):
+        with CommDebugMode() as comm:
+            nd.get_total_norm(grads, plans=plans)
+        counts.append(comm.get_total_counts())
+    spec, other = dtensor_spec(first[0]), dtensor_spec(second[0])
+    return spec is other, spec == other, len(plans), counts
 
 
-def test_a_dropped_layout_keeps_its_specs_alive_until_the_plans_are_cleared():
-    # its key holds the specs' ids: a new spec taking one of them on one rank only would make that
-    # rank's cache hit and miss unlike the others'
-    for kept, freed_after_clear in run_on_ranks(2, _dropped_layout_case):
-        assert kept and freed_after_clear
+def test_new_gradients_of_an_equal_layout_find_its_plan():
+    """The plans are keyed by value: a DTensor made anew with an equal spec (another object) is the same layout,
+    found without an exchange (keyed by the spec's id, as before, it took a second plan and a second exchange)."""
+    for identical, equal, kept, counts in run_on_ranks(2, _equal_layout_case):
+        assert not identical and equal
+        assert kept == 1 and counts[1] == counts[2] == 1 < counts[0], counts  # one all-reduce once the plan is known
 
 
 def _tied_without_gradient_case() -> float:
