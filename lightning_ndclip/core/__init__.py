@@ -5,7 +5,7 @@ Lightning installed. Its public names are exported by :mod:`lightning_ndclip`; m
 start with ``_`` are internal. The parts, and what each may import of the others (``tests/test_package.py``
 checks it):
 
-- :mod:`~lightning_ndclip.core.norm`: the exact global norm and clipping; imports ``parallel.mesh``;
+- :mod:`~lightning_ndclip.core.norm`: the exact global norm and clipping; imports ``parallel.mesh`` and ``agree``;
 - :mod:`~lightning_ndclip.core.loss`: the exact loss normalization (counts, weights, shares); imports ``agree``;
 - :mod:`~lightning_ndclip.core.parallel`: the mesh and the parallel wrapping (tensor parallel, FSDP2
   plans, Hugging Face plans and checkpoints) and its checks (coverage, replicas, summary, SUM

@@ -8,19 +8,45 @@ sends one flag per rank (1 for a problem) in the collective that follows anyway 
 all-reduce carries it beside the counts: no extra collective in steady state), and
 :func:`raise_agreed` reads the summed flag: when it is non-zero, every rank gathers the messages
 (one ``all_gather_object``, only then) and raises the same error naming each failing rank.
+
+Reading a flag on the host is free on the CPU and a device sync elsewhere, so the core reads only
+where :func:`host_reads_are_free`; elsewhere a problem poisons the step's values with NaN instead.
+:func:`reads_as_on_accelerators` makes the CPU take the accelerators' path, which the test suite
+runs under a mode that fails on any host read, to prove the steady-state step reads nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["AgreedError", "call_hook", "raise_agreed", "run_agreed"]
+__all__ = ["AgreedError", "call_hook", "host_reads_are_free", "raise_agreed", "reads_as_on_accelerators", "run_agreed"]
 
 T = TypeVar("T")
+_as_on_accelerators = False
+
+
+def host_reads_are_free(device: torch.device) -> bool:
+    """Whether reading a value of a tensor on ``device`` costs no device synchronization: on the CPU,
+    except inside :func:`reads_as_on_accelerators`."""
+    return device.type == "cpu" and not _as_on_accelerators
+
+
+@contextmanager
+def reads_as_on_accelerators() -> Iterator[None]:
+    """Within it, the core takes on the CPU the paths it takes on accelerators, where it reads no tensor
+    value on the host in steady state (a bad count or a plan disagreement makes the step NaN instead of
+    raising). For tests that prove, on the CPU, that the accelerator path never makes the host wait."""
+    global _as_on_accelerators
+    before, _as_on_accelerators = _as_on_accelerators, True
+    try:
+        yield
+    finally:
+        _as_on_accelerators = before
 
 
 class AgreedError(ValueError):

@@ -2,7 +2,7 @@
 
 :mod:`~lightning_ndclip.core.norm.clip_grad` holds the public functions and the math; the plan of
 who counts what (``_plan``), the caches kept between calls (``_cache``) and the coalescing of FSDP2's
-gradient views into contiguous runs (``_runs``) are internal. May import ``core.parallel.mesh``.
+gradient views into contiguous runs (``_runs``) are internal. May import ``core.parallel.mesh`` and ``core.agree``.
 """
 
 from lightning_ndclip.core.norm._plan import NormPlanError

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_ndclip._compat import dtensor_spec
+from lightning_ndclip.core.agree import host_reads_are_free
 from lightning_ndclip.core.norm._plan import NormPlan
 from lightning_ndclip.core.norm._runs import RunFinder
 
@@ -180,7 +181,7 @@ def probe(size: int, is_inf: bool, group: dist.ProcessGroup | None, device: torc
         buffer[1] = PROBE_MARK
     dist.all_reduce(buffer, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
     everyone = bool(buffer[3] == -PROBE_MARK) if is_inf else bool(buffer[1] == dist.get_world_size(group) * PROBE_MARK)
-    if not everyone and device.type != "cpu":
+    if not everyone and not host_reads_are_free(device):
         raise RuntimeError(
             "this rank's gradient layout changed after its norm plan was cached, while other ranks kept "
             "theirs (their norm is nan this step); every rank of a stage must pass gradients of the same layout"

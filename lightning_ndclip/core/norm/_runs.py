@@ -120,7 +120,7 @@ def _buffer(view: torch.Tensor) -> torch.Tensor:
     return cast(torch.Tensor, view_base(view))
 
 
-def _picker(indices: Sequence[int]) -> Callable[[Sequence[T]], tuple[T, ...]]:
+def _items_at(indices: Sequence[int]) -> Callable[[Sequence[T]], tuple[T, ...]]:
     """``lambda xs: tuple(xs[i] for i in indices)``, in C (``itemgetter`` returns a bare item for one
     index)."""
     if not indices:
@@ -161,7 +161,7 @@ class _Pieces:
             self.sections.append(sizes)
             wanted.extend(offset + r for r in runs)
             offset += len(sizes)
-        self.pick = _picker(wanted)
+        self.pick = _items_at(wanted)
         # every buffer is one run: the buffers themselves
         self.whole_buffers = len(wanted) == len(groups) and all(len(sizes) == 1 for sizes in self.sections)
 
@@ -177,10 +177,10 @@ class RunFinder:
     def __init__(self) -> None:
         self._count = -1
         self._groups: tuple[_Group, ...] = ()
-        self._pick_heads = _picker(())  # the member of each group whose ``_base`` is its buffer
-        self._pick_members = _picker(())  # every grouped tensor, group after group
-        self._pick_singles = _picker(())  # the tensors in no group, and the counted ones among them
-        self._pick_counted_singles = _picker(())
+        self._pick_heads = _items_at(())  # the member of each group whose ``_base`` is its buffer
+        self._pick_members = _items_at(())  # every grouped tensor, group after group
+        self._pick_singles = _items_at(())  # the tensors in no group, and the counted ones among them
+        self._pick_counted_singles = _items_at(())
         self._scale_pieces: _Pieces | None = None
         self._norm_pieces: _Pieces | None = None  # None: the same runs as to scale
         self._numels: list[int] = []  # of the buffers
@@ -291,10 +291,10 @@ class RunFinder:
         self._groups = tuple(groups)
         singles.sort()
         self._count = len(locals_)
-        self._pick_heads = _picker([g.head for g in groups])
-        self._pick_members = _picker(members_all)
-        self._pick_singles = _picker(singles)
-        self._pick_counted_singles = _picker([i for i in singles if counted[i]])
+        self._pick_heads = _items_at([g.head for g in groups])
+        self._pick_members = _items_at(members_all)
+        self._pick_singles = _items_at(singles)
+        self._pick_counted_singles = _items_at([i for i in singles if counted[i]])
         self._numels = [g.numel for g in groups]
         self._dtypes = [g.dtype for g in groups]
         self._scale_pieces = _Pieces(groups, "scale_runs") if groups else None

@@ -44,6 +44,7 @@ from lightning_ndclip._compat import (
     foreach_norm,
     local_tensors,
 )
+from lightning_ndclip.core.agree import host_reads_are_free
 from lightning_ndclip.core.norm._cache import NormPlans, PlanEntry, layout_key, probe
 from lightning_ndclip.core.norm._plan import NormPlanError, build_plan
 from lightning_ndclip.core.norm._runs import RunFinder, dim0_paddings
@@ -369,7 +370,7 @@ def _global_norm(
             ) from None
     retry = request.retry_overflow
     if retry is None:
-        retry = request.error_if_nonfinite or total.device.type == "cpu"
+        retry = request.error_if_nonfinite or host_reads_are_free(total.device)
     finite = None
     if retry and not request.is_inf and total.dtype != torch.float64:
         finite = bool(torch.isfinite(total))  # the step's one host read
@@ -447,9 +448,9 @@ def _norm(
         index = entry.constant(tuple(present), device, torch.long, lambda: [plan.slots[i] for i in present])
         per_slot = torch.zeros(len(plan.slot_names), dtype=torch.float64, device=device)
         per_slot.index_copy_(0, index, _powers([local[i] for i in present], request, acc, device))
-        power = _combine(per_slot, request.is_inf)
+        power = _sum_or_max(per_slot, request.is_inf)
     else:
-        power = _combine(_powers(runs.to_norm, request, acc, device), request.is_inf)
+        power = _sum_or_max(_powers(runs.to_norm, request, acc, device), request.is_inf)
     copies = [local[i] for i in entry.uncounted if local[i].numel()] if plan.needs_collective else []
     if copies:  # replicas counted elsewhere can still hold an inf or nan that would make them diverge
         check = _stacked_norms(copies, 1.0, torch.float64, request.foreach, device).sum()
@@ -520,7 +521,7 @@ def _collective_device(group: dist.ProcessGroup | None, like: torch.device) -> t
     return like
 
 
-def _combine(powers: torch.Tensor, is_inf: bool) -> torch.Tensor:
+def _sum_or_max(powers: torch.Tensor, is_inf: bool) -> torch.Tensor:
     if powers.numel() == 0:
         return powers.new_zeros(())
     return powers.amax() if is_inf else powers.sum()
@@ -558,7 +559,7 @@ def _all_reduce(
     buffer = torch.cat(parts)
     dist.all_reduce(buffer, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=plan.group)
     agreed = torch.eq(buffer[head - sent.numel() : head], expected).all()
-    if device.type == "cpu" and not agreed:
+    if host_reads_are_free(device) and not agreed:
         raise _PlansDiffer()
     poisoned = ~agreed | (buffer[1] > 0) if is_inf else ~agreed
     total = torch.where(poisoned, math.nan, buffer[0])
