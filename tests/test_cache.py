@@ -39,3 +39,15 @@ def test_recent_entries_are_kept_and_put_replaces():
     assert cache.values() == ["A", "C"]
     cache.put("a", "A2")
     assert cache.values() == ["C", "A2"]
+
+
+def test_the_previous_key_is_found_by_comparison_and_stays_the_most_recent():
+    """get() compares with the previous call's key first (no hashing): the same answers as the plain LRU, and the
+    entry it returns is the most recently used, so the order of drops is unchanged."""
+    cache: GrowingLRU[str] = GrowingLRU(capacity=2)
+    made = []
+    for key in ["a", "a", "b", "a", "c", "b"]:  # "c" drops "b" (the least recent); its return doubles the capacity
+        cache.get((key, 1), lambda key=key: made.append(key) or key.upper())
+    assert made == ["a", "b", "c", "b"] and cache.values() == ["A", "C", "B"] and cache.capacity == 4
+    cache.clear()
+    assert cache.get(("c", 1), lambda: "new") == "new"  # nothing stale after clear
