@@ -5,11 +5,7 @@ Compares, on one model, data, optimizer and world size:
 * ``lightning_clip``: Lightning's ``ModelParallelStrategy`` + ``Trainer(gradient_clip_val=1.0)``;
 * ``ndclip``: ``NDParallelStrategy`` + ``GlobalNormClip(1.0)`` (no per-module logs);
 * ``ndclip_modules``: the same with ``GlobalNormClip(1.0, log_module_depth=...)``;
-* ``noclip``: ``ModelParallelStrategy`` without clipping (the step itself, as a reference);
-* ``ndclip_token_mean``: (b) with ``loss_normalization="token_mean"`` (the exact global mean: the
-  window's count all-reduce, the loss share, the logged window loss), against (b) for its cost; its
-  parts: ``ndclip_token_mean_nolog`` (the same without logging the exact loss, ``log_loss=None``)
-  and ``ndclip_sum`` (only the SUM reductions it implies).
+* ``noclip``: ``ModelParallelStrategy`` without clipping (the step itself, as a reference).
 
 Timed per rank: the whole step, and its clipping segment (``on_before_optimizer_step`` to the
 update). On the FSDP2 x TP layout Lightning's clipping raises; the error is recorded instead.
@@ -52,10 +48,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ndclip import GlobalNormClip, NDParallelStrategy
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = (
-    "lightning_clip", "ndclip", "ndclip_modules", "noclip", "nd_noclip", "ndclip_token_mean", "ndclip_token_mean_nolog",
-    "ndclip_sum",
-)
+METHODS = ("lightning_clip", "ndclip", "ndclip_modules", "noclip", "nd_noclip")
 DEFAULT_METHODS = METHODS[:4]
 LABELS = {
     "lightning_clip": "(a) ModelParallel + gradient_clip_val",
@@ -63,9 +56,6 @@ LABELS = {
     "ndclip_modules": "(c) (b) + log_module_depth",
     "noclip": "(d) ModelParallel, no clipping",
     "nd_noclip": "(e) NDParallel, no clipping",
-    "ndclip_token_mean": "(f) (b) + loss_normalization='token_mean'",
-    "ndclip_token_mean_nolog": "(g) (f) with log_loss=None",
-    "ndclip_sum": "(h) (b) + sum_reduction=True",
 }
 WIDTH, HEADS, HIDDEN, SEQ, IN_DIM, OUT_DIM = 64, 4, 256, 16, 32, 8
 TENSORS_PER_BLOCK = 16  # ln1 (2) + q, k, v, o (8) + ln2 (2) + fc1, fc2 (4)
@@ -140,9 +130,6 @@ class StepModel(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         return F.mse_loss(self(x), y)
-
-    def count_tokens(self, batch) -> int:  # every position is a token (loss_normalization="token_mean")
-        return batch[0].shape[0] * batch[0].shape[1]
 
     def configure_optimizers(self):
         # for-loop implementations (PyTorch's CPU default): one DTensor op per parameter and update
@@ -259,11 +246,7 @@ def make_trainer(method: str, layout: str, args, timer: StepTimer) -> L.Trainer:
         if method == "lightning_clip":
             kwargs["gradient_clip_val"] = 1.0
     else:
-        normalization = "token_mean" if method.startswith("ndclip_token_mean") else None
-        strategy = NDParallelStrategy(
-            dp_shard=world // tp, tp=tp, loss_normalization=normalization, sum_reduction=method == "ndclip_sum",
-            log_loss=None if method.endswith("_nolog") else "train_loss",
-        )
+        strategy = NDParallelStrategy(dp_shard=world // tp, tp=tp)
         if method != "nd_noclip":
             depth = args.log_module_depth if method == "ndclip_modules" else None
             callbacks.append(GlobalNormClip(1.0, log_module_depth=depth))

@@ -119,7 +119,7 @@ def sync_token_count(
     invalid = _invalid_counts(counts) + int(problem is not None)
     total = torch.stack([c.to(torch.int64).sum() for c in counts]).sum()
     total, invalid = _all_reduce(torch.stack([total, invalid.to(total.device)]), group).unbind()
-    if host_reads_are_free(total.device):
+    if host_reads_are_free(total.device) and int(invalid):  # the message is made only for a failure
         raise_agreed(invalid, problem or _invalid_count_message(counts), group)
     return TokenCount(total=total, empty=total == 0, invalid=invalid)
 
@@ -343,7 +343,8 @@ def sync_sample_weights(
     local_samples = present if first_cp_rank else torch.zeros_like(present)
     out_of_range = sum((c[-1] for c in per_micro_batch), failed)
     total_samples, out_of_range = _all_reduce(torch.stack([present, out_of_range]), dp_group).unbind()
-    if host_reads_are_free(counts.device):  # elsewhere, reading the flag would sync: the weights become nan
+    # elsewhere, reading the flag would sync: the weights become nan; the message is made only for a failure
+    if host_reads_are_free(counts.device) and int(out_of_range):
         message = problem or _out_of_range_message(binned, num_samples)
         raise_agreed(out_of_range, message, *([cp_group] if cp_group is not None else []), dp_group)
     scale = total_samples.clamp(min=1).to(torch.float64)
