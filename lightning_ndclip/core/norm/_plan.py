@@ -307,6 +307,67 @@ def _gather_views(view: dict, world_size: int, group: dist.ProcessGroup | None) 
     return views
 
 
+def _agreed_views(
+    tensors: Sequence[torch.Tensor],
+    names: Sequence[str],
+    tie_keys: Sequence[str | None],
+    layouts: list[TensorLayout],
+    kinds: list[TensorLayout],
+    rank: int,
+    stage: int,
+    world_size: int,
+    group: dist.ProcessGroup | None,
+) -> list[dict]:
+    """Every rank's view of the tensors (exchanged), once every rank has checked that they agree."""
+    errors = [] if all(lay.problem is None for lay in kinds) else [
+        lay.error(name, rank) for lay, name in zip(layouts, names) if lay.problem is not None
+    ]
+    view: dict[str, Any] = {
+        "rank": rank,
+        "stage": stage,
+        "names": list(names),
+        "signatures": list(map(_SIGNATURE, layouts)),
+        "tie_keys": list(tie_keys),
+        "mesh_ranks": list(map(_MESH_RANKS, layouts)),
+        "errors": errors,
+        "float64": torch.float64 in set(map(operator.attrgetter("dtype"), tensors)),
+    }
+    view["digest"] = _digest(view)
+    views = [view] if world_size == 1 else _gather_views(view, world_size, group)
+    problems = _check_agreement(views)
+    if problems:
+        shown = "\n  ".join(problems[:8])
+        more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
+        raise NormPlanError(f"cannot compute an exact global gradient norm:\n  {shown}{more}")
+    return views
+
+
+def _slots(stages: list[int], leaders: dict[int, dict]) -> tuple[dict[int, Sequence[int]], list[str], dict[str, int]]:
+    """Per stage, the world-wide slot of each of its tensors; the slots' names; and the stage that counts
+    each tied key (the lowest holding it, where the key takes its one slot)."""
+    first_stage_of_key: dict[str, int] = {}
+    slot_of_key: dict[str, int] = {}
+    slots_of_stage: dict[int, Sequence[int]] = {}
+    slot_names: list[str] = []
+    for s in stages:
+        keys, stage_names = leaders[s]["tie_keys"], leaders[s]["names"]
+        if all(key is None for key in keys):  # nothing tied: the stage's tensors take the next slots in order
+            slots_of_stage[s] = range(len(slot_names), len(slot_names) + len(keys))
+            slot_names.extend(stage_names)
+            continue
+        slots: list[int] = []
+        for key, name in zip(keys, stage_names):
+            if key is None or key not in slot_of_key:
+                if key is not None:
+                    first_stage_of_key[key], slot_of_key[key] = s, len(slot_names)
+                slots.append(len(slot_names))
+                slot_names.append(name)
+            else:
+                slots.append(slot_of_key[key])
+        slots_of_stage[s] = slots
+    return slots_of_stage, slot_names, first_stage_of_key
+
+
 def build_plan(
     tensors: Sequence[torch.Tensor],
     names: Sequence[str],
@@ -335,57 +396,14 @@ def build_plan(
     rank, world_size = _world(group)
     stage = pipeline_stage(tensors, pp_mesh)
     layouts = describe(tensors, rank)
-    kinds = list({id(lay): lay for lay in layouts}.values())
-    errors = [] if all(lay.problem is None for lay in kinds) else [
-        lay.error(name, rank) for lay, name in zip(layouts, names) if lay.problem is not None
-    ]
-    view: dict[str, Any] = {
-        "rank": rank,
-        "stage": stage,
-        "names": list(names),
-        "signatures": list(map(_SIGNATURE, layouts)),
-        "tie_keys": list(tie_keys),
-        "mesh_ranks": list(map(_MESH_RANKS, layouts)),
-        "errors": errors,
-        "float64": torch.float64 in set(map(operator.attrgetter("dtype"), tensors)),
-    }
-    view["digest"] = _digest(view)
-    views = [view] if world_size == 1 else _gather_views(view, world_size, group)
-    problems = _check_agreement(views)
-    if problems:
-        shown = "\n  ".join(problems[:8])
-        more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
-        raise NormPlanError(f"cannot compute an exact global gradient norm:\n  {shown}{more}")
-
+    kinds = list({id(lay): lay for lay in layouts}.values())  # the distinct layouts, by object (call-local)
+    views = _agreed_views(tensors, names, tie_keys, layouts, kinds, rank, stage, world_size, group)
     stages = sorted({v["stage"] for v in views})
     leaders = {s: min((v for v in views if v["stage"] == s), key=lambda v: v["rank"]) for s in stages}
-    stage_min_rank = leaders[stage]["rank"]
-    first_stage_of_key: dict[str, int] = {}  # a tied tensor counts in the lowest stage holding it,
-    slot_of_key: dict[str, int] = {}  # and has one slot
-    slots_of_stage: dict[int, Sequence[int]] = {}
-    slot_names: list[str] = []
-    for s in stages:
-        lead = leaders[s]
-        keys = lead["tie_keys"]
-        if all(key is None for key in keys):  # nothing tied: the stage's tensors take the next slots in order
-            slots_of_stage[s] = range(len(slot_names), len(slot_names) + len(keys))
-            slot_names.extend(lead["names"])
-            continue
-        slots: list[int] = []
-        for key, name in zip(keys, lead["names"]):
-            if key is None or key not in slot_of_key:
-                if key is not None:
-                    first_stage_of_key[key], slot_of_key[key] = s, len(slot_names)
-                slots.append(len(slot_names))
-                slot_names.append(name)
-            else:
-                slots.append(slot_of_key[key])
-        slots_of_stage[s] = slots
-
-    needs_collective = world_size > 1 and (
-        len(stages) > 1 or not all(lay.replicated_everywhere for lay in kinds)
-    )
+    slots, slot_names, first_stage_of_key = _slots(stages, leaders)
+    needs_collective = world_size > 1 and (len(stages) > 1 or not all(lay.replicated_everywhere for lay in kinds))
     if needs_collective:
+        stage_min_rank = leaders[stage]["rank"]
         counts = {id(lay): lay.counted_in_mesh and stage_min_rank in lay.mesh_ranks for lay in kinds}
         counted = tuple(
             counts[id(lay)] and (key is None or first_stage_of_key[key] == stage) for lay, key in zip(layouts, tie_keys)
@@ -395,7 +413,7 @@ def build_plan(
     return NormPlan(
         layouts=tuple(layouts),
         counted=counted,
-        slots=tuple(slots_of_stage[stage]),
+        slots=tuple(slots[stage]),
         slot_names=tuple(slot_names),
         needs_collective=needs_collective,
         group=group,
