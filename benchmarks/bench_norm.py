@@ -387,6 +387,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20, help="timed calls per method (fewer if slow)")
     p.add_argument("--torch-max-n", type=int, default=3000,
                    help="skip torch/torchtitan above this many tensors (their first call is O(N^2) in DTensor)")
+    p.add_argument("--tag", default="", help="results in norm_<world>ranks_<tag>.* (keeps the default tables)")
     args = p.parse_args()
     if "fsdp_tp" in args.layouts and args.world_size % 2:
         p.error("fsdp_tp needs an even --world-size")
@@ -396,7 +397,8 @@ def main() -> None:
         p.error("--tensors-per-unit takes multiples of 8")
     cases = [{"layouts": [layout], "sizes": [n], "tensors_per_unit": [u]}
              for layout in args.layouts for u in args.tensors_per_unit for n in args.sizes]
-    spawn_and_report(worker, args, RESULTS / f"norm_{args.world_size}ranks", write_markdown, write_plot, cases)
+    stem = f"norm_{args.world_size}ranks" + (f"_{args.tag}" if args.tag else "")
+    spawn_and_report(worker, args, RESULTS / stem, write_markdown, write_plot, cases)
 
 
 if __name__ == "__main__":
