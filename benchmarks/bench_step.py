@@ -5,7 +5,10 @@ Compares, on one model, data, optimizer and world size:
 * ``lightning_clip``: Lightning's ``ModelParallelStrategy`` + ``Trainer(gradient_clip_val=1.0)``;
 * ``ndclip``: ``NDParallelStrategy`` + ``GlobalNormClip(1.0)`` (no per-module logs);
 * ``ndclip_modules``: the same with ``GlobalNormClip(1.0, log_module_depth=...)``;
-* ``noclip``: ``ModelParallelStrategy`` without clipping (the step itself, as a reference).
+* ``noclip``: ``ModelParallelStrategy`` without clipping (the step itself, as a reference);
+* ``ndclip_nofold``: (b) with ``GlobalNormClip(fold_into_optimizer=False)``: with ``--optimizer
+  adamw_fused``, the clip's own scaling pass instead of the fused optimizer applying the coefficient
+  (the fold on and off).
 
 Timed per rank: the whole step, and its clipping segment (``on_before_optimizer_step`` to the
 update). On the FSDP2 x TP layout Lightning's clipping raises; the error is recorded instead.
@@ -48,7 +51,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ndclip import GlobalNormClip, NDParallelStrategy
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ("lightning_clip", "ndclip", "ndclip_modules", "noclip", "nd_noclip")
+METHODS = ("lightning_clip", "ndclip", "ndclip_modules", "noclip", "nd_noclip", "ndclip_nofold")
 DEFAULT_METHODS = METHODS[:4]
 LABELS = {
     "lightning_clip": "(a) ModelParallel + gradient_clip_val",
@@ -56,6 +59,7 @@ LABELS = {
     "ndclip_modules": "(c) (b) + log_module_depth",
     "noclip": "(d) ModelParallel, no clipping",
     "nd_noclip": "(e) NDParallel, no clipping",
+    "ndclip_nofold": "(f) (b) with fold_into_optimizer=False",
 }
 WIDTH, HEADS, HIDDEN, SEQ, IN_DIM, OUT_DIM = 64, 4, 256, 16, 32, 8
 TENSORS_PER_BLOCK = 16  # ln1 (2) + q, k, v, o (8) + ln2 (2) + fc1, fc2 (4)
@@ -249,7 +253,8 @@ def make_trainer(method: str, layout: str, args, timer: StepTimer) -> L.Trainer:
         strategy = NDParallelStrategy(dp_shard=world // tp, tp=tp)
         if method != "nd_noclip":
             depth = args.log_module_depth if method == "ndclip_modules" else None
-            callbacks.append(GlobalNormClip(1.0, log_module_depth=depth))
+            fold = False if method == "ndclip_nofold" else None
+            callbacks.append(GlobalNormClip(1.0, log_module_depth=depth, fold_into_optimizer=fold))
     return L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, callbacks=callbacks, logger=NullLogger(),
         log_every_n_steps=1, max_steps=args.warmup + args.steps + 1, enable_checkpointing=False,
@@ -452,6 +457,15 @@ def write_markdown(data: dict, path: Path) -> None:
     for r in data["rows"]:
         firsts = ", ".join(f"{m} {r[m]['first_s']:.1f}" for m in METHODS if r.get(m) and "ms" in r[m])
         lines.append(f"* {r['layout']} N={r['n_tensors']}: {firsts}")
+    if any(r.get("ndclip_nofold") for r in data["rows"]):
+        lines += ["", "The fold on and off: (b) lets the fused optimizer apply the clip coefficient, (f) scales the "
+                  "gradients itself first:", "", "| layout | N | step ms (b) | step ms (f) | clip ms (b) | clip ms (f) | "
+                  "clip (f)/(b) |", "|---|---|---|---|---|---|---|"]
+        for r in data["rows"]:
+            b, f = r.get("ndclip"), r.get("ndclip_nofold")
+            if b and f:
+                lines.append(f"| {r['layout']} | {r['n_tensors']} | {fmt(b)} | {fmt(f)} | {clip(b)} | {clip(f)} | "
+                             f"{clip_ratio(f, b)} |")
     lines.append("")
     path.write_text("\n".join(lines))
 
@@ -518,10 +532,11 @@ def main() -> None:
                    help="fully_shard units the blocks are grouped into (consecutive blocks); 0: one per block")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin rank r to core r %% cores")
     p.add_argument("--log-module-depth", type=int, default=1, help="log_module_depth of (c)")
+    p.add_argument("--tag", default="", help="results in step_<world>ranks[_<optimizer>]_<tag>.* (keeps the default tables)")
     args = p.parse_args()
     if "fsdp_tp" in args.layouts and args.world_size % 2:
         p.error("fsdp_tp needs an even --world-size")
-    suffix = "" if args.optimizer == "sgd" else f"_{args.optimizer}"
+    suffix = ("" if args.optimizer == "sgd" else f"_{args.optimizer}") + (f"_{args.tag}" if args.tag else "")
     spawn_and_report(worker, args, RESULTS / f"step_{args.world_size}ranks{suffix}", write_markdown, write_plot)
 
 
