@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._foreach_utils import _device_has_foreach_support
+from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 from torch.utils._pytree import tree_leaves as _tree_leaves
 
 if TYPE_CHECKING:
@@ -62,6 +63,8 @@ __all__ = [
     "view_base",
     "initialize_buffers",
     "ModuleStyle",
+    "DispatchMode",
+    "VALUE_READ_OPS",
 ]
 
 PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
@@ -84,6 +87,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "all_to_all_autograd": ("torch.distributed._functional_collectives:all_to_all_single_autograd",),
     "applies_grad_scale": ("torch.optim:Adam._step_supports_amp_scaling",),
     "ModuleStyle": ("torch.distributed.tensor.parallel:ParallelStyle._apply",),
+    "DispatchMode": ("torch.utils._python_dispatch:TorchDispatchMode",),
+    "VALUE_READ_OPS": ("torch:ops.aten._local_scalar_dense", "torch:ops.aten._unique2"),
     "initialize_buffers": (
         "torch.nn:Module._parameters",
         "torch.nn:Module._buffers",
@@ -124,8 +129,9 @@ def local_tensors(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 
 dtensor_spec: Callable[[DTensor], Any] = operator.attrgetter("_spec")
-"""A DTensor's spec: placements, mesh and global shape in one object (reason: its identity keys the
-norm's plan cache; the public ``placements`` / ``device_mesh`` / ``shape`` are one property each)."""
+"""A DTensor's spec: placements, mesh, global shape, stride and dtype in one object (reason: it keys the
+norm's plan cache by value, comparing and hashing as one object whose hash PyTorch caches; the public
+``placements`` / ``device_mesh`` / ``shape`` are one property each)."""
 
 StridedShard = _StridedShard
 """The placement FSDP2 x TP gives a dim sharded by two mesh dims (reason: not exported publicly;
@@ -139,6 +145,16 @@ unsafe_view: Callable[[torch.Tensor, Sequence[int]], torch.Tensor] = torch.ops.a
 """A reshape that autograd does not record as a view (reason: how ``torch.matmul`` returns its 3-D
 result; a ``Linear`` with a bias returns a view of its 2-D ``addmm`` result instead, which FSDP2
 warns about for a unit's output, and no public op turns a view into a tensor without copying)."""
+
+DispatchMode = _TorchDispatchMode
+"""The base class of a mode that sees every op as the dispatcher runs it (reason: PyTorch exports it
+only from the private ``torch.utils._python_dispatch``; the test suite's proof that a step reads no
+tensor value on the host is one)."""
+
+VALUE_READ_OPS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten._unique2.default})
+"""The ops through which the host reads a tensor's value (``item()``, ``float()``, ``bool()``; ``unique()``),
+private by name (reason: a read reaches the dispatcher as one of them; no public op stands for it)."""
+
 
 class ModuleStyle(ParallelStyle):
     """A ``ParallelStyle`` whose subclasses define the public :meth:`apply` (reason: the one method a

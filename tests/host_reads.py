@@ -18,19 +18,17 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_ndclip._compat import VALUE_READ_OPS, DispatchMode
 from lightning_ndclip.core.agree import reads_as_on_accelerators
 
 aten = torch.ops.aten
 
-_VALUE_READS = {
-    aten._local_scalar_dense.default,  # item(), float(), int(), bool(), a tensor in an `if`
+_VALUE_READS = VALUE_READ_OPS | {  # item(), float(), int(), bool(), a tensor in an `if`; unique()
     aten.is_nonzero.default,
     aten.equal.default,
     aten.nonzero.default,
     aten.masked_select.default,
-    aten._unique2.default,
     aten.unique_consecutive.default,
     aten.unique_dim.default,
     aten.bincount.default,
@@ -73,7 +71,7 @@ def _where() -> str:
     return " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))
 
 
-class _DispatchReads(TorchDispatchMode):
+class _DispatchReads(DispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         boolean_index = func is aten.index.Tensor and any(

@@ -104,8 +104,8 @@ class PlanEntry:
     plan: NormPlan
     padding: tuple[int, ...]
     finder: RunFinder = field(default_factory=RunFinder)
-    uncounted: tuple[int, ...] = ()  # the local tensors this rank holds but does not count (copies counted elsewhere)
     constants: dict = field(default_factory=dict)
+    uncounted: tuple[int, ...] = field(init=False)  # the local tensors this rank holds but does not count (copies)
 
     def __post_init__(self) -> None:
         self.uncounted = tuple(i for i, counted in enumerate(self.plan.counted) if not counted)
