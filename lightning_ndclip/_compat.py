@@ -16,7 +16,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.distributed import _functional_collectives
@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.utils._foreach_utils import _device_has_foreach_support
+from torch.utils._foreach_utils import _device_has_foreach_support, _group_tensors_by_device_and_dtype
 from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 from torch.utils._pytree import tree_leaves as _tree_leaves
 
@@ -46,6 +46,7 @@ __all__ = [
     "flatten_mesh",
     "foreach_mul_",
     "foreach_norm",
+    "group_by_device_and_dtype",
     "local_tensors",
     "materialize_distributed_module",
     "metadata_filename",
@@ -77,6 +78,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "foreach_norm": ("torch:_foreach_norm",),
     "foreach_mul_": ("torch:_foreach_mul_",),
     "device_has_foreach_support": ("torch.utils._foreach_utils:_device_has_foreach_support",),
+    "group_by_device_and_dtype": ("torch.utils._foreach_utils:_group_tensors_by_device_and_dtype",),
     "disable_torch_function_subclass": ("torch._C:DisableTorchFunctionSubclass",),
     "tree_leaves": ("torch.utils._pytree:tree_leaves",),
     "checkpoint_wrapper": ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper:checkpoint_wrapper",),
@@ -196,6 +198,14 @@ foreach_mul_ = torch._foreach_mul_
 device_has_foreach_support = _device_has_foreach_support
 """Whether a device has the foreach kernels (reason: the rule ``clip_grad_norm_(foreach=None)`` uses
 to pick them; re-deriving it could disagree with torch)."""
+
+group_by_device_and_dtype = cast(
+    "Callable[..., dict[tuple[torch.device, torch.dtype], tuple[list[list[torch.Tensor]], list[int]]]]",
+    _group_tensors_by_device_and_dtype,
+)
+"""``{(device, dtype): ([tensors], indices)}`` for lists of tensors, grouped in C++ (reason: how
+``torch.nn.utils.clip_grad_norm_`` groups them; reading ``device`` and ``dtype`` from Python costs
+twice as much, 2 ms per call at 10,000 tensors)."""
 
 all_to_all_autograd = _functional_collectives.all_to_all_single_autograd
 """Differentiable all-to-all of rows with split sizes (reason: PyTorch deprecates the public

@@ -232,7 +232,7 @@ def test_the_scan_finds_private_names_and_spares_our_own(tmp_path: Path) -> None
         "        d = getattr(opt, '_optimizer', opt)\n"  # 12: by string
         "        e = t._some_new_private\n"  # 13: defined nowhere in the package
         "        f = torch._count\n"  # 14: on torch, though the package has a _count of its own
-        "        return self._mine, t.__class__, self._pick_members\n"
+        "        return self._mine, t.__class__, self._counted_singles\n"
     )
     found = sorted((line, name) for line, name, _ in _private_uses(source, _own_private_names() | {"_mine"}))
     assert found == [

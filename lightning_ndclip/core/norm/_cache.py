@@ -119,18 +119,15 @@ class PlanEntry:
 
 
 class NormPlans:
-    """The caches of the norm functions, for as long as this object lives.
+    """The caches of the norm functions, for as long as this object lives: per gradient layout, the
+    plan every rank agreed on (a collective exchange on first use) and the contiguous runs of the
+    gradients; per pipeline mesh, process group and kind of norm, the size of the last all-reduce.
 
-    It keeps, per gradient layout, the plan every rank agreed on (made by a collective exchange on
-    first use) and the contiguous runs of the gradients; and, per pipeline mesh, process group and
-    kind of norm, the size of the last all-reduce. Entries last until :meth:`clear`, until their
-    layout is among the least recently used beyond ``capacity``, or until this object is garbage.
-    Every rank of the process group must make the same norm calls with its instance, in the same
-    order, so that all ranks find or miss a plan together. ``len(plans)`` is the number of plans kept.
-
-    The functions of :mod:`lightning_ndclip.core.norm.clip_grad` take one as ``plans=``; with ``None`` they share
-    a module-level default instance that lives as long as the process. An owner with a shorter life
-    (a training run, a test) passes its own.
+    Entries last until :meth:`clear`, until their layout is among the least recently used beyond
+    ``capacity``, or until this object is garbage. Every rank of the process group must make the
+    same norm calls with its instance, in the same order (the invariant of :mod:`._cache`). The
+    functions of :mod:`lightning_ndclip.core.norm.clip_grad` take one as ``plans=``; with ``None``
+    they share a default instance that lives as long as the process. ``len(plans)``: the plans kept.
 
     Args:
         capacity: how many layouts are kept at first; it doubles, up to ``max_capacity``, whenever
@@ -196,4 +193,3 @@ def probe(size: int, is_inf: bool, group: dist.ProcessGroup | None, device: torc
             "theirs (their norm is nan this step); every rank of a stage must pass gradients of the same layout"
         )
     return everyone  # on CPU the ranks that hit saw the marker and come to the exchange as well
-

@@ -8,19 +8,18 @@ For gradients :math:`g_1, \dots, g_k` of one logical model, viewed as a single f
     \|G\|_\infty = \max_x |x|,
 
 whatever the mesh: every rank adds :math:`|x|^p` over the elements it is the designated holder of
-(see :mod:`lightning_ndclip.core.norm._plan`), and one all-reduce (SUM, or MAX for the inf norm) over the group
-yields the exact total on every rank. No gradient is gathered, no ``full_tensor()`` is called, and
-nothing moves between host and device: the norm and the clip coefficient stay device tensors.
+(the plan, :mod:`lightning_ndclip.core.norm._plan`), and one all-reduce (SUM, or MAX for the inf
+norm) yields the exact total on every rank. No gradient is gathered, no ``full_tensor()`` is called,
+and nothing moves between host and device: the norm and the clip coefficient stay device tensors.
 
 The functions mirror :func:`torch.nn.utils.get_total_norm`, :func:`torch.nn.utils.clip_grad_norm_`
-and :func:`torch.nn.utils.clip_grads_with_norm_`, and accept the same arguments, plus keyword-only
-ones for what a single device does not need (pipeline mesh, tied parameters, process group) and for
-the caches they keep (:class:`NormPlans`, :mod:`lightning_ndclip.core.norm._cache`).
+and :func:`torch.nn.utils.clip_grads_with_norm_` and take the same arguments, plus keyword-only ones
+for what a single device does not need (pipeline mesh, tied parameters, process group, the caches).
 
-One call, top to bottom (:func:`_global_norm`): the layout's plan (cached; agreed with every rank on
-first use), the local powers :math:`\sum |x|^p` of the counted pieces (the contiguous runs of FSDP2's
-buffers, :mod:`lightning_ndclip.core.norm._runs`), one all-reduce that also checks that every rank used the
-same plan, the root; clipping multiplies every local piece by one device coefficient.
+One call, top to bottom (:func:`_global_norm`): the layout's plan (cached, :mod:`._cache`; agreed
+with every rank on first use), the local powers :math:`\sum |x|^p` of the counted pieces (the
+contiguous runs of FSDP2's buffers, :mod:`._runs`), one all-reduce that also checks that every rank
+used the same plan, the root; clipping multiplies every local piece by one device coefficient.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import repeat
-from typing import TypeVar, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -42,6 +41,7 @@ from lightning_ndclip._compat import (
     disable_torch_function_subclass,
     foreach_mul_,
     foreach_norm,
+    group_by_device_and_dtype,
     local_tensors,
 )
 from lightning_ndclip.core.agree import host_reads_are_free
@@ -51,10 +51,7 @@ from lightning_ndclip.core.norm._runs import RunFinder, dim0_paddings
 
 __all__ = ["GradNorms", "NormPlans", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norms"]
 
-T = TypeVar("T")
 _GRAD = operator.attrgetter("grad")
-_DEVICE = operator.attrgetter("device")
-_DTYPE = operator.attrgetter("dtype")
 _EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_
 
 _default_plans = NormPlans()
@@ -89,10 +86,9 @@ class GradNorms:
 
     @torch.no_grad()
     def clip_(self, max_norm: float, foreach: bool | None = None) -> torch.Tensor:
-        r"""Scale the gradients these norms were computed from by :math:`\min(1, \text{max\_norm} /
-        (\text{total} + 10^{-6}))`, as :func:`clip_grads_with_norm_` would, without reading the
-        parameters again (the gradient tensors as they were when the norms were computed; FSDP2
-        buffers as contiguous runs). Returns the coefficient, a device tensor."""
+        """Scale the gradients these norms were computed from by :meth:`clip_coef`, as
+        :func:`clip_grads_with_norm_` would, without reading the parameters again (the gradient
+        tensors as they were when the norms were computed). Returns the coefficient."""
         coef = self.clip_coef(max_norm)
         _scale_(self._to_scale, coef, foreach)
         return coef
@@ -128,22 +124,12 @@ class _Request:
 
     @property
     def context(self) -> tuple:
-        """What fixes the all-reduce's size for a given plan (see :func:`_first_plan`)."""
+        """What fixes the all-reduce's size for a given plan (see :func:`_agreed_plan`)."""
         return (self.pp_mesh, self.group, self.is_inf, self.per_tensor)
 
 
 class _PlansDiffer(Exception):
     """Ranks reduced with different plans (or one had none): they exchange plans and try again."""
-
-
-def _tie_keys(tensors: Sequence[torch.Tensor], tied: Mapping[str, torch.Tensor] | None) -> list[str | None] | None:
-    if not tied:
-        return None
-    # entries not among the tensors are not counted here (a tied parameter without a gradient on this
-    # rank, or owned by another optimizer); raising on the ranks holding it would leave the others waiting
-    key_of = {id(t): k for k, t in tied.items()}
-    keys = [key_of.get(id(t)) for t in tensors]
-    return keys if any(k is not None for k in keys) else None
 
 
 @torch.no_grad()
@@ -205,26 +191,6 @@ def get_total_norm(
     return _global_norm(tensors, None, _tie_keys(tensors, tied), request, plans).total
 
 
-def _scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool | None) -> None:
-    for (device, _), group in _by_device_and_dtype(tensors, tensors).items():
-        c = coef.to(device)
-        if _use_foreach(foreach, device):
-            foreach_mul_(group, c)
-        else:
-            for t in group:
-                t.mul_(c)
-
-
-def _scale_runs(grads: Sequence[torch.Tensor], plans: NormPlans) -> list[torch.Tensor]:
-    """The contiguous runs covering every local element of ``grads`` (see :mod:`lightning_ndclip.core.norm._runs`)."""
-    finder, padding = plans.scale_runs.get(layout_key(grads), lambda: (RunFinder(), dim0_paddings(grads)))
-    return finder.runs(local_tensors(grads), [True] * len(grads), padding).to_scale
-
-
-def _clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(float(max_norm) / (total_norm + _EPS), max=1.0)
-
-
 @torch.no_grad()
 def clip_grads_with_norm_(
     parameters: torch.Tensor | Iterable[torch.Tensor],
@@ -242,21 +208,9 @@ def clip_grads_with_norm_(
     :func:`get_total_norm` (it caches the runs of each layout).
     """
     grads = [g for g in _read_grads(_as_tensor_list(parameters)) if g is not None]
-    _scale_(_scale_runs(grads, _default_plans if plans is None else plans), _clip_coef(max_norm, total_norm), foreach)
-
-
-def _read_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-    with disable_torch_function_subclass():  # skips DTensor's __torch_function__ on `.grad`
-        return list(map(_GRAD, params))
-
-
-def _with_grads(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The parameters that have a gradient, and their gradients (``p.grad`` read once each)."""
-    grads = _read_grads(params)
-    if not any(map(operator.is_, grads, repeat(None))):  # not `None in grads`: that calls Tensor.__eq__
-        return params, cast("list[torch.Tensor]", grads)
-    kept = [(p, g) for p, g in zip(params, grads) if g is not None]
-    return [p for p, _ in kept], [g for _, g in kept]
+    plans = _default_plans if plans is None else plans
+    finder, padding = plans.scale_runs.get(layout_key(grads), lambda: (RunFinder(), dim0_paddings(grads)))
+    _scale_(finder.runs(local_tensors(grads), [True] * len(grads), padding).to_scale, _clip_coef(max_norm, total_norm), foreach)
 
 
 @torch.no_grad()
@@ -293,9 +247,12 @@ def clip_grad_norm_(
     Returns:
         The **pre-clip** total norm, a 0-dim tensor identical on every rank.
     """
-    params, grads = _with_grads(_as_tensor_list(parameters))
+    params = _as_tensor_list(parameters)
+    grads = _read_grads(params)
+    if any(map(operator.is_, grads, repeat(None))):  # not `None in grads`: that calls Tensor.__eq__
+        params, grads = [p for p, g in zip(params, grads) if g is not None], [g for g in grads if g is not None]
     request = _Request(norm_type, False, error_if_nonfinite, foreach, pp_mesh, process_group, accumulate_dtype, retry_overflow)
-    norms = _global_norm(grads, None, _tie_keys(params, tied_parameters), request, plans)
+    norms = _global_norm(cast("list[torch.Tensor]", grads), None, _tie_keys(params, tied_parameters), request, plans)
     norms.clip_(max_norm, foreach)
     return norms.total
 
@@ -327,8 +284,7 @@ def grad_norms(
     if isinstance(named_parameters, torch.nn.Module):
         named_parameters = named_parameters.named_parameters()
     pairs = list(named_parameters)
-    grads = _read_grads([p for _, p in pairs])
-    kept = [(n, p, g) for (n, p), g in zip(pairs, grads) if g is not None]
+    kept = [(n, p, g) for (n, p), g in zip(pairs, _read_grads([p for _, p in pairs])) if g is not None]
     request = _Request(norm_type, per_tensor, False, foreach, pp_mesh, process_group, accumulate_dtype, retry_overflow)
     tie_keys = _tie_keys([p for _, p, _ in kept], tied_parameters)
     return _global_norm([g for _, _, g in kept], [n for n, _, _ in kept], tie_keys, request, plans)
@@ -356,11 +312,11 @@ def _global_norm(
         request.pp_mesh,
         request.group,
     )
-    entry = plans.plans.get(key, partial(_first_plan, plans, grads, names, tie_keys, request))
+    entry = plans.plans.get(key, partial(_agreed_plan, plans, grads, names, tie_keys, request))
     try:
         total, per_slot, to_scale = _norm(entry, grads, request, plans, request.accumulate_dtype)
     except _PlansDiffer:  # some rank's plan differs or it had none: agree on one (or all raise), once
-        entry = plans.plans.put(key, _agreed_plan(grads, names, tie_keys, request, diverged=True))
+        entry = plans.plans.put(key, _agreed_plan(plans, grads, names, tie_keys, request, diverged=True))
         try:
             total, per_slot, to_scale = _norm(entry, grads, request, plans, request.accumulate_dtype)
         except _PlansDiffer:
@@ -378,39 +334,34 @@ def _global_norm(
             total64, per_slot64, _ = _norm(entry, grads, request, plans, torch.float64)
             total, per_slot = total64.to(total.dtype), None if per_slot64 is None else per_slot64.to(total.dtype)
             finite = bool(torch.isfinite(total))
-    if request.error_if_nonfinite:
-        _raise_if_nonfinite(total, request.norm_type)
+    if request.error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {request.norm_type} for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. This error is raised on every rank. To disable it, set `error_if_nonfinite=False`."
+        )
     return GradNorms(total, per_slot, entry.plan.slot_names, finite, _to_scale=tuple(to_scale))
 
 
-def _first_plan(
+def _agreed_plan(
     plans: NormPlans,
     grads: Sequence[torch.Tensor],
     names: Sequence[str] | None,
     tie_keys: Sequence[str | None] | None,
     request: _Request,
+    diverged: bool | None = None,
 ) -> PlanEntry:
-    """A layout's plan on a cache miss. A miss after earlier calls in the same context may be this
+    """This layout's plan, agreed with every rank (collective).
+
+    On a cache miss (``diverged=None``) after earlier calls in the same context, the miss may be this
     rank's alone (its gradients changed while the others hit their cached plans and are already in
     the norm's all-reduce): it first joins that all-reduce with a marker (:func:`probe`), which makes
-    every rank see the disagreement and come to the exchange too, instead of leaving them waiting."""
+    every rank see the disagreement and come to the exchange too, instead of leaving them waiting.
+    After a disagreement, ranks whose layouts differ all raise the same ``RuntimeError``."""
     size = plans.last_size.get(request.context)
-    local = local_tensors(grads)
-    device = _collective_device(request.group, local[0].device if local else torch.device("cpu"))
-    everyone = size is None or probe(size, request.is_inf, request.group, device)
-    return _agreed_plan(grads, names, tie_keys, request, diverged=not everyone)
-
-
-def _agreed_plan(
-    grads: Sequence[torch.Tensor],
-    names: Sequence[str] | None,
-    tie_keys: Sequence[str | None] | None,
-    request: _Request,
-    *,
-    diverged: bool,
-) -> PlanEntry:
-    """This layout's plan, agreed with every rank (collective). After a disagreement (``diverged``),
-    ranks whose layouts differ all raise the same ``RuntimeError``."""
+    if diverged is None and size is not None:
+        local = local_tensors(grads)
+        device = _collective_device(request.group, local[0].device if local else torch.device("cpu"))
+        diverged = not probe(size, request.is_inf, request.group, device)
     try:
         plan = build_plan(
             grads,
@@ -470,63 +421,6 @@ def _powers(tensors: Sequence[torch.Tensor], request: _Request, acc: torch.dtype
     return norms if request.is_inf else norms.pow(request.norm_type)
 
 
-# --- helpers ---------------------------------------------------------------------------------------
-
-
-def _by_device_and_dtype(items: Sequence[T], tensors: Sequence[torch.Tensor]) -> dict[tuple, list[T]]:
-    """``items`` grouped by the (device, dtype) of the matching ``tensors``, in order within a group."""
-    kinds = set(zip(map(_DEVICE, tensors), map(_DTYPE, tensors)))
-    if len(kinds) <= 1:  # the usual case, found without a Python line per tensor
-        return {kind: list(items) for kind in kinds}
-    groups: dict[tuple, list[T]] = {}
-    for item, t in zip(items, tensors):
-        groups.setdefault((t.device, t.dtype), []).append(item)
-    return groups
-
-
-def _use_foreach(foreach: bool | None, device: torch.device) -> bool:
-    supported = device_has_foreach_support(device)
-    if foreach and not supported:
-        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
-    return supported if foreach is None else foreach
-
-
-def _stacked_norms(
-    tensors: Sequence[torch.Tensor], norm_type: float, dtype: torch.dtype, foreach: bool | None, device: torch.device
-) -> torch.Tensor:
-    """Per-tensor norms computed in ``dtype``, in the order of ``tensors`` (none is empty), as one
-    float64 tensor on ``device`` (one copy per device and dtype group, not one per tensor)."""
-    if not tensors:
-        return torch.zeros(0, dtype=torch.float64, device=device)
-    groups = _by_device_and_dtype(range(len(tensors)), tensors)
-    parts, order = [], []
-    for (group_device, _), indices in groups.items():
-        group = list(tensors) if len(groups) == 1 else [tensors[i] for i in indices]
-        if _use_foreach(foreach, group_device):
-            norms = list(foreach_norm(group, norm_type, dtype=dtype))
-        else:
-            norms = [torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in group]
-        parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
-        order.extend(indices)
-    if len(parts) == 1:
-        return parts[0]
-    stacked = torch.cat(parts)
-    return torch.empty_like(stacked).index_copy_(0, torch.tensor(order, device=device), stacked)
-
-
-def _collective_device(group: dist.ProcessGroup | None, like: torch.device) -> torch.device:
-    """Where the local sums meet for the all-reduce: the gradients' device, or the CPU for gloo."""
-    if like.type != "cpu" and dist.is_initialized() and dist.get_backend(group) == "gloo":
-        return torch.device("cpu")
-    return like
-
-
-def _sum_or_max(powers: torch.Tensor, is_inf: bool) -> torch.Tensor:
-    if powers.numel() == 0:
-        return powers.new_zeros(())
-    return powers.amax() if is_inf else powers.sum()
-
-
 def _all_reduce(
     local: torch.Tensor,
     per_slot: torch.Tensor | None,
@@ -566,14 +460,80 @@ def _all_reduce(
     return total, None if per_slot is None else torch.where(agreed, buffer[head:], math.nan)
 
 
-def _raise_if_nonfinite(total: torch.Tensor, norm_type: float) -> None:
-    if not torch.isfinite(total):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
-            "cannot be clipped. This error is raised on every rank. To disable it, set "
-            "`error_if_nonfinite=False`."
-        )
+# --- helpers ---------------------------------------------------------------------------------------
 
 
 def _as_tensor_list(tensors: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+
+
+def _read_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    with disable_torch_function_subclass():  # skips DTensor's __torch_function__ on `.grad`
+        return list(map(_GRAD, params))
+
+
+def _tie_keys(tensors: Sequence[torch.Tensor], tied: Mapping[str, torch.Tensor] | None) -> list[str | None] | None:
+    if not tied:
+        return None
+    # entries not among the tensors are not counted here (a tied parameter without a gradient on this
+    # rank, or owned by another optimizer); raising on the ranks holding it would leave the others waiting
+    key_of = {id(t): k for k, t in tied.items()}
+    keys = [key_of.get(id(t)) for t in tensors]
+    return keys if any(k is not None for k in keys) else None
+
+
+def _clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(float(max_norm) / (total_norm + _EPS), max=1.0)
+
+
+def _use_foreach(foreach: bool | None, device: torch.device) -> bool:
+    supported = device_has_foreach_support(device)
+    if foreach and not supported:
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+    return supported if foreach is None else foreach
+
+
+def _scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool | None) -> None:
+    if not tensors:  # torch's grouping refuses an empty list
+        return
+    for (device, _), ([group], _) in group_by_device_and_dtype([list(tensors)]).items():
+        c = coef.to(device)
+        if _use_foreach(foreach, device):
+            foreach_mul_(group, c)
+        else:
+            for t in group:
+                t.mul_(c)
+
+
+def _stacked_norms(
+    tensors: Sequence[torch.Tensor], norm_type: float, dtype: torch.dtype, foreach: bool | None, device: torch.device
+) -> torch.Tensor:
+    """Per-tensor norms computed in ``dtype``, in the order of ``tensors`` (none is empty), as one
+    float64 tensor on ``device`` (one copy per device and dtype group, not one per tensor)."""
+    if not tensors:  # torch's grouping refuses an empty list
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    parts, order = [], []
+    for (group_device, _), ([group], indices) in group_by_device_and_dtype([list(tensors)], True).items():
+        if _use_foreach(foreach, group_device):
+            norms = list(foreach_norm(group, norm_type, dtype=dtype))
+        else:
+            norms = [torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in group]
+        parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
+        order.extend(indices)
+    if len(parts) == 1:
+        return parts[0]
+    stacked = torch.cat(parts)
+    return torch.empty_like(stacked).index_copy_(0, torch.tensor(order, device=device), stacked)
+
+
+def _collective_device(group: dist.ProcessGroup | None, like: torch.device) -> torch.device:
+    """Where the local sums meet for the all-reduce: the gradients' device, or the CPU for gloo."""
+    if like.type != "cpu" and dist.is_initialized() and dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    return like
+
+
+def _sum_or_max(powers: torch.Tensor, is_inf: bool) -> torch.Tensor:
+    if powers.numel() == 0:
+        return powers.new_zeros(())
+    return powers.amax() if is_inf else powers.sum()
