@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import lightning_ndclip as nd
 from lightning_ndclip._compat import foreach_mul_, foreach_norm
-from lightning_ndclip.core.norm._runs import RunFinder, Runs, dim0_padding
+from lightning_ndclip.core.norm._runs import RunFinder, Runs, dim0_paddings
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WIDTH_FACTORS = (1.0, 0.8, 1.25, 0.9)  # unit widths d0 -> d1 -> d2 -> d3 -> d0 (relative)
@@ -110,7 +110,7 @@ def find_runs(params: list[nn.Parameter], plans: nd.NormPlans) -> Runs:
     counted = plans.counted()
     if counted is None or len(counted) != len(locals_):
         counted = (True,) * len(locals_)
-    return RunFinder().runs(locals_, counted, [dim0_padding(p.grad) for p in params])
+    return RunFinder().runs(locals_, counted, dim0_paddings([p.grad for p in params]))
 
 
 def count_runs(params: list[nn.Parameter], plans: nd.NormPlans) -> tuple[int, int]:

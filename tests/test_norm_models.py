@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import lightning_ndclip as nd
-from lightning_ndclip.core.norm._runs import RunFinder, dim0_padding
+from lightning_ndclip.core.norm._runs import RunFinder, dim0_paddings
 
 GLOBAL_BATCH = 8
 
@@ -172,7 +172,7 @@ def _uneven_fsdp_case(exclude: str | None):
             assert torch.equal(p.grad.to_local(), before[name]), f"{name} was not clipped but changed"
         assert torch.allclose(p.grad.full_tensor(), reference[name] * (1.0 if name == exclude else coef), rtol=1e-12)
     locals_ = [p.grad.to_local() for _, p in clipped]
-    padding = [dim0_padding(p.grad) for _, p in clipped]
+    padding = dim0_paddings([p.grad for _, p in clipped])
     return len(norms._to_scale), len(RunFinder().runs(locals_, [True] * len(locals_), None).to_norm), padding[0]
 
 

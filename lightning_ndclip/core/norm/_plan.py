@@ -6,16 +6,13 @@ sums (a max for the inf norm) yields the exact total:
 
 * inside a mesh instance, ``Shard`` / ``_StridedShard`` dims are disjoint pieces (all count) and
   ``Replicate`` dims are copies (only coordinate 0 counts): :func:`describe`, which needs no other rank;
-* ranks of one pipeline stage outside a tensor's mesh instance hold further copies of it (a dense
-  layer's FSDP mesh seen from another tp or ep coordinate; a DDP-style plain tensor on every rank):
-  only the instance holding the stage's lowest rank counts;
-* pipeline stages hold disjoint parameters: every stage counts its own;
-* a parameter tied across stages (input and output embedding) counts in the lowest stage holding it.
+* ranks of a stage outside a tensor's mesh instance hold copies of it (a dense layer's FSDP mesh
+  seen from another tp coordinate; a plain tensor): only the instance of the stage's lowest rank counts;
+* pipeline stages hold disjoint parameters, each counts its own; a tie across stages counts in the
+  lowest stage holding it.
 
-Building a plan costs one ``all_gather_object`` of a summary whose size does not grow with the
-number of tensors when all ranks are in one stage and agree, and of every rank's whole view
-otherwise (a second one). Ranks check there that they agree (same tensors per stage, consistent
-meshes, no unsupported placement); any problem is raised on **every** rank with the same message,
+Building a plan costs one ``all_gather_object`` (two with several stages or disagreeing ranks), in
+which ranks check that they agree; any problem is raised on **every** rank with the same message,
 so no rank is left waiting in a later collective.
 """
 
@@ -49,19 +46,13 @@ class TensorLayout:
     """How one rank holds a logical gradient tensor; one object is shared by every tensor of the same
     kind (the same DTensor spec and dtype, or the same shape and dtype for plain tensors).
 
-    Attributes:
-        signature: the stage-wide logical description, equal on every rank of a pipeline stage.
-        mesh_ranks: global ranks of the mesh instance holding the tensor, ``(rank,)`` for a plain one.
-        counted_in_mesh: this rank is the one member of its replica set inside the mesh instance.
-        replicated_everywhere: every mesh dim is ``Replicate`` (or the tensor is plain).
-        problem: ``(kind, placement, mesh dim)`` when the tensor cannot be normed exactly, else ``None``.
     """
 
-    signature: tuple
-    mesh_ranks: tuple[int, ...]
-    counted_in_mesh: bool
-    replicated_everywhere: bool
-    problem: tuple[str, str, str] | None = None
+    signature: tuple  # the stage-wide logical description, equal on every rank of a pipeline stage
+    mesh_ranks: tuple[int, ...]  # global ranks of the mesh instance holding it; ``(rank,)`` if plain
+    counted_in_mesh: bool  # this rank is the one member of its replica set in the mesh instance
+    replicated_everywhere: bool  # every mesh dim is Replicate (or the tensor is plain)
+    problem: tuple[str, str, str] | None = None  # (kind, placement, mesh dim) if it cannot be normed
 
 
 def _placement_kind(placement: object) -> str:
@@ -134,28 +125,16 @@ def describe(tensors: Sequence[torch.Tensor], rank: int) -> list[TensorLayout]:
 
 @dataclass(frozen=True)
 class NormPlan:
-    """What this rank contributes to the global norm, agreed with every other rank.
+    """What this rank contributes to the global norm, agreed with every other rank. ``fingerprint``,
+    hashed from every rank's view, lets a later call check that all ranks still use the same plan; it
+    is at most ``2**52 / world_size``, so that its sum over the ranks is exact in float64."""
 
-    Attributes:
-        counted: per tensor, whether this rank adds its local piece to the global sum.
-        slots: per tensor, its index in the world-wide per-tensor norm vector.
-        slot_names: the name of every slot, world-wide (all stages), in slot order.
-        needs_collective: ``False`` when every rank already holds every element (one process,
-            or only replicated tensors on a single stage): the local norm is the global one.
-        group: the process group of the single all-reduce.
-        accumulate_dtype: the default dtype of local sums and of the result, the same on every rank:
-            ``float64`` if any rank holds a ``float64`` tensor, else ``float32``.
-        fingerprint: a whole number hashed from every rank's view, equal on all ranks that agreed
-            on this plan, so a later call can check they still use the same one; at most
-            ``2**52 / world_size``, so that its sum over the ranks is exact in float64.
-    """
-
-    counted: tuple[bool, ...]
-    slots: tuple[int, ...]
-    slot_names: tuple[str, ...]
-    needs_collective: bool
+    counted: tuple[bool, ...]  # per tensor: this rank adds its local piece to the global sum
+    slots: Sequence[int]  # per tensor: its index in the world-wide per-tensor norms
+    slot_names: tuple[str, ...]  # world-wide (all stages), in slot order
+    needs_collective: bool  # False: every rank holds every element, the local norm is the global one
     group: dist.ProcessGroup | None
-    accumulate_dtype: torch.dtype
+    accumulate_dtype: torch.dtype  # float64 if any rank holds a float64 tensor, else float32
     fingerprint: int
 
 
@@ -256,11 +235,10 @@ def _check_agreement(views: list[dict]) -> list[str]:
 
 
 def _gather_views(view: dict, world_size: int, group: dist.ProcessGroup | None) -> list[dict]:
-    """Every rank's view. First every rank sends a summary: its stage, errors, meshes and a hash of
-    its names, signatures and tie keys (small whatever the number of tensors). When all ranks are
-    in one stage, with no error and equal hashes, every rank holds what this rank holds, and the
-    summaries (with this rank's names, signatures and tie keys) are the views. Otherwise every rank
-    sends its whole view (a second exchange, which every rank decides alike from the same summaries)."""
+    """Every rank's view. Every rank sends a summary first, of a size that does not grow with the
+    tensors (a hash of their names, signatures and tie keys); when all ranks are in one stage with
+    no error and equal hashes, that suffices. Otherwise every rank sends its whole view (a second
+    exchange, decided alike by every rank from the same summaries)."""
     per_tensor = ("names", "signatures", "tie_keys")
     summary = {k: view[k] for k in ("rank", "stage", "errors", "float64", "digest")}
     summary.update(mesh_ranks=set(view["mesh_ranks"]), logical=_digest(*(view[k] for k in per_tensor)))
@@ -337,10 +315,7 @@ def build_plan(
     pp_mesh: DeviceMesh | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> NormPlan:
-    """Analyse ``tensors`` on every rank of ``group`` and agree on who counts what.
-
-    Collective over ``group`` (one ``all_gather_object``, two with several pipeline stages or when
-    ranks disagree) when more than one process runs.
+    """Analyse ``tensors`` on every rank of ``group`` and agree on who counts what (collective).
 
     Args:
         tensors: the gradients (or the parameters standing for them), in a fixed order.
@@ -372,7 +347,7 @@ def build_plan(
     digest = hashlib.blake2b(b"".join(v["digest"] for v in views), digest_size=8).digest()
     return NormPlan(
         counted=counted,
-        slots=tuple(slots[stage]),
+        slots=slots[stage],
         slot_names=tuple(slot_names),
         needs_collective=needs_collective,
         group=group,

@@ -1,9 +1,8 @@
 """Coalescing local gradients into contiguous runs of memory.
 
-FSDP2 writes the sharded gradients of one ``fully_shard`` unit as views of a single flat
-reduce-scatter buffer. Norming or scaling a thousand small views costs a thousand kernel launches;
-norming the handful of contiguous stretches they tile costs a handful. This module finds those
-stretches exactly:
+FSDP2 writes the sharded gradients of one ``fully_shard`` unit as views of one flat buffer; norming
+or scaling the few contiguous stretches they tile costs a few kernels instead of one per view. This
+module finds those stretches exactly:
 
 * contiguous views of one contiguous base, laid end to end with no gap and no overlap, form a run;
   when they tile the whole base, the run is the base itself;
@@ -11,17 +10,15 @@ stretches exactly:
   ``Replicate`` parameter inside a unit of ``Shard`` ones), so norming a run equals norming its
   members, whatever the gaps hold;
 * a run to scale crosses a gap only when the caller declares it padding of the tensor before it
-  (FSDP2 pads uneven dim-0 shards; see :func:`dim0_padding`) and the gap has exactly that size: no
-  other tensor lives there and nothing reads it, so scaling it is harmless. Other gaps are never
-  written;
+  (FSDP2 pads uneven dim-0 shards: :func:`dim0_paddings`) and the gap has exactly that size: nothing
+  lives there or reads it, so scaling it is harmless. Other gaps are never written;
 * anything else (plain tensors, overlapping or non-contiguous views) is its own run.
 
-The grouping is cached. Each call checks it from addresses: every grouped tensor must still be
-contiguous and start exactly where the grouping expects it inside its group's base (of the same size
-and dtype as when grouped), which guarantees that the runs cover exactly the same elements as the
-tensors. FSDP2 allocates fresh buffers every step, so the check is made on every call: two attribute
-reads per tensor, in plain loops (mapping them in C over all tensors at once did not pay:
-``docs/benchmarks.md#run-finding-parts``).
+The grouping is cached, and checked on every call (FSDP2 allocates fresh buffers every step): every
+grouped tensor must still be contiguous and start exactly where the grouping expects it in its
+group's base (of the same size and dtype as when grouped), so the runs cover exactly the same
+elements as the tensors. Plain loops: mapping the reads in C did not pay
+(``docs/benchmarks.md#run-finding-parts``).
 """
 
 from __future__ import annotations
@@ -36,19 +33,14 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_ndclip._compat import StridedShard, dtensor_spec, local_tensors, view_base
 
 
-def dim0_padding(tensor: torch.Tensor) -> int:
-    """How many elements of padding follow this rank's local piece of ``tensor`` when its dim 0 is
-    split into equal padded chunks, as FSDP2 lays out the sharded gradients of a unit in one buffer.
-
-    Non-zero only for a DTensor whose dim 0 is split by a single plain ``Shard(0)`` (other mesh dims
-    ``Replicate`` or sharding other dims) and whose local chunk is short but not empty:
-    ``(ceil(D / W) - rows) * row_numel`` for global dim-0 size ``D`` over ``W`` ranks.
-    """
-    return dim0_paddings([tensor])[0]
-
-
 def dim0_paddings(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
-    """:func:`dim0_padding` of every tensor, worked out once per DTensor spec and local shape."""
+    """How many elements of padding follow each tensor's local piece when its dim 0 is split into
+    equal padded chunks, as FSDP2 lays out the sharded gradients of a unit in one buffer.
+
+    Non-zero only for a DTensor whose dim 0 is split by a single plain ``Shard(0)`` and whose local
+    chunk is short but not empty: ``(ceil(D / W) - rows) * row_numel`` for dim-0 size ``D`` over
+    ``W`` ranks. Worked out once per DTensor spec and local shape.
+    """
     paddings: dict[tuple, int] = {}
     found = []
     for tensor, local in zip(tensors, local_tensors(tensors)):

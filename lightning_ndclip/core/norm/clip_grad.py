@@ -8,18 +8,15 @@ For gradients :math:`g_1, \dots, g_k` of one logical model, viewed as a single f
     \|G\|_\infty = \max_x |x|,
 
 whatever the mesh: every rank adds :math:`|x|^p` over the elements it is the designated holder of
-(the plan, :mod:`lightning_ndclip.core.norm._plan`), and one all-reduce (SUM, or MAX for the inf
-norm) yields the exact total on every rank. No gradient is gathered, no ``full_tensor()`` is called,
-and nothing moves between host and device: the norm and the clip coefficient stay device tensors.
-
-The functions mirror :func:`torch.nn.utils.get_total_norm`, :func:`torch.nn.utils.clip_grad_norm_`
-and :func:`torch.nn.utils.clip_grads_with_norm_` and take the same arguments, plus keyword-only ones
-for what a single device does not need (pipeline mesh, tied parameters, process group, the caches).
+(the plan, :mod:`._plan`), and one all-reduce (SUM, or MAX for the inf norm) yields the exact total
+on every rank. No gradient is gathered, and the norm and the clip coefficient stay device tensors.
+The functions mirror torch's ``get_total_norm``, ``clip_grad_norm_`` and ``clip_grads_with_norm_``,
+plus keyword-only arguments for what one device does not need.
 
 One call, top to bottom (:func:`_global_norm`): the layout's plan (cached, :mod:`._cache`; agreed
-with every rank on first use), the local powers :math:`\sum |x|^p` of the counted pieces (the
-contiguous runs of FSDP2's buffers, :mod:`._runs`), one all-reduce that also checks that every rank
-used the same plan, the root; clipping multiplies every local piece by one device coefficient.
+with every rank on first use), the local powers of the counted pieces (the contiguous runs of
+FSDP2's buffers, :mod:`._runs`), one all-reduce that also checks that every rank used the same
+plan, the root; clipping multiplies every local piece by one device coefficient.
 """
 
 from __future__ import annotations
@@ -148,20 +145,16 @@ def get_total_norm(
 ) -> torch.Tensor:
     r"""The exact global norm of ``tensors`` (usually gradients) over every rank that holds part of them.
 
-    Like :func:`torch.nn.utils.get_total_norm`, for any mix of plain tensors and DTensors on any
-    meshes (``Shard``, ``_StridedShard``, ``Replicate``; several meshes in one call), and across
-    pipeline stages. Collective over ``process_group``: every rank must call it, with tensors of the
-    same layouts as the other ranks of its pipeline stage.
-
-    Counting rules: sharded mesh dims are summed, replicated mesh dims and copies of a mesh instance
-    (including plain tensors, taken to be replicated on every rank of a stage, as in DDP) count once,
-    stages are summed, tied tensors count once. ``Partial`` tensors are refused.
+    Like :func:`torch.nn.utils.get_total_norm`, for plain tensors and DTensors on any meshes
+    (``Shard``, ``_StridedShard``, ``Replicate``), across pipeline stages. Collective: every rank of
+    ``process_group`` calls it, with tensors of the same layouts as the other ranks of its stage.
+    Sharded mesh dims and stages are summed; replicated dims, copies of a mesh instance (plain
+    tensors: DDP-style replicas) and tied tensors count once. ``Partial`` tensors are refused.
 
     Args:
         tensors: a tensor or an iterable of tensors.
         norm_type: p of the p-norm, any ``p > 0``, or ``inf``.
-        error_if_nonfinite: raise (on every rank) if the total is ``nan`` or ``inf``. This reads the
-            norm on the host: a device synchronization.
+        error_if_nonfinite: raise (on every rank) if the total is ``nan`` or ``inf`` (a host read).
         foreach: use the foreach kernels; ``None`` uses them where the device supports them.
         pp_mesh: the 1-D pipeline mesh. Default: the ``"pp"`` dim of the DTensors' root mesh, if any;
             else no pipeline parallelism.
@@ -171,13 +164,11 @@ def get_total_norm(
         accumulate_dtype: dtype of the local sums and of the result; default ``float32``, or
             ``float64`` if any rank holds a ``float64`` tensor. The cross-rank sum is always done in
             ``float64``.
-        retry_overflow: when the total comes out non-finite, compute it again with float64
-            accumulation (on every rank, which all see the same total): a float32 sum of squares
-            overflows for elements above about 1.8e19 although the norm fits. Reads the total on
-            the host. ``None`` (default): where that is free, on CPU, or with ``error_if_nonfinite``;
-            on accelerators the plain call never syncs, and an overflowed total stays ``inf``.
-        plans: the caches of plans to use (see :class:`NormPlans`); ``None``: the module-level default
-            instance, shared by every call that passes none, for the life of the process.
+        retry_overflow: when the total comes out non-finite, compute it again accumulating in float64
+            (a float32 sum of squares overflows for elements above about 1.8e19 although the norm
+            fits). Reads the total on the host; ``None``: where that is free (CPU, or with
+            ``error_if_nonfinite``), so that on accelerators an overflowed total stays ``inf``.
+        plans: the caches to use (:class:`NormPlans`); ``None``: one default instance for the process.
 
     Returns:
         The total norm, a 0-dim tensor of ``accumulate_dtype``, identical on every rank.
@@ -202,10 +193,8 @@ def clip_grads_with_norm_(
 ) -> None:
     r"""Scale the gradients of ``parameters`` by :math:`\min(1, \text{max\_norm} / (\text{total\_norm} + 10^{-6}))`.
 
-    Like :func:`torch.nn.utils.clip_grads_with_norm_`; purely local (no collective), and works on the
-    local shards of DTensor gradients. ``total_norm`` must be the global norm, e.g. from
-    :func:`get_total_norm`. The coefficient stays on the device. ``plans``: as in
-    :func:`get_total_norm` (it caches the runs of each layout).
+    Like :func:`torch.nn.utils.clip_grads_with_norm_`, on the local shards of DTensor gradients (no
+    collective). ``total_norm``: the global norm, e.g. from :func:`get_total_norm`; ``plans``: as there.
     """
     grads = [g for g in _read_grads(_as_tensor_list(parameters)) if g is not None]
     plans = _default_plans if plans is None else plans
@@ -230,11 +219,10 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     r"""Clip the gradients of ``parameters`` to a global norm of at most ``max_norm``, exactly.
 
-    Like :func:`torch.nn.utils.clip_grad_norm_`: computes the global norm as in
-    :func:`get_total_norm` (one all-reduce per call once the layout is known), then multiplies every
-    local gradient by :math:`\min(1, \text{max\_norm} / (\text{norm} + 10^{-6}))`, a device tensor.
-    Gradients are left bit-for-bit unchanged when the norm is below ``max_norm``. Parameters whose
-    ``grad`` is ``None`` are skipped, as in PyTorch (ranks of a stage must agree on which).
+    Like :func:`torch.nn.utils.clip_grad_norm_`: the global norm as in :func:`get_total_norm` (one
+    all-reduce), then every local gradient times :math:`\min(1, \text{max\_norm} / (\text{norm} +
+    10^{-6}))`, a device tensor (1 when the norm is below ``max_norm``: gradients left bit for bit).
+    Parameters whose ``grad`` is ``None`` are skipped (ranks of a stage must agree on which).
 
     Args:
         parameters: a tensor or an iterable of tensors whose gradients are clipped.
@@ -297,21 +285,12 @@ def _global_norm(
     request: _Request,
     plans: NormPlans | None,
 ) -> GradNorms:
-    """The one call path of :func:`get_total_norm`, :func:`clip_grad_norm_` and :func:`grad_norms`.
-
-    A p-norm accumulated in float32 overflows once elements pass about 1.8e19 (their squares pass
-    float32's range) while the norm itself is far inside it. Accumulating in float64 always cost
-    4-16x on CPU (``benchmarks/results/local_norm_cpu_2_threads.md``), so instead a non-finite total
-    is computed again in float64 (every rank sees the same total, so all do): with ``retry_overflow``,
-    or by default where reading the total costs no device sync (CPU, or ``error_if_nonfinite``)."""
+    """The one call path of the public functions. A non-finite total is computed again in float64
+    (``retry_overflow``; every rank sees the same total, so all do), rather than always accumulating
+    in float64, which cost 4-16x on CPU (``benchmarks/results/local_norm_cpu_2_threads.md``)."""
     plans = _default_plans if plans is None else plans
-    key = (
-        layout_key(grads),
-        None if names is None else tuple(names),
-        None if tie_keys is None else tuple(tie_keys),
-        request.pp_mesh,
-        request.group,
-    )
+    names_key, ties_key = (None if x is None else tuple(x) for x in (names, tie_keys))
+    key = (layout_key(grads), names_key, ties_key, request.pp_mesh, request.group)
     entry = plans.plans.get(key, partial(_agreed_plan, plans, grads, names, tie_keys, request))
     try:
         total, per_slot, to_scale = _norm(entry, grads, request, plans, request.accumulate_dtype)
@@ -350,13 +329,10 @@ def _agreed_plan(
     request: _Request,
     diverged: bool | None = None,
 ) -> PlanEntry:
-    """This layout's plan, agreed with every rank (collective).
-
-    On a cache miss (``diverged=None``) after earlier calls in the same context, the miss may be this
-    rank's alone (its gradients changed while the others hit their cached plans and are already in
-    the norm's all-reduce): it first joins that all-reduce with a marker (:func:`probe`), which makes
-    every rank see the disagreement and come to the exchange too, instead of leaving them waiting.
-    After a disagreement, ranks whose layouts differ all raise the same ``RuntimeError``."""
+    """This layout's plan, agreed with every rank (collective). A cache miss (``diverged=None``) after
+    earlier calls in the same context may be this rank's alone, the others being in the norm's
+    all-reduce already: it joins that all-reduce with a marker first (:func:`probe`), so that every
+    rank comes to the exchange. After a disagreement, ranks whose layouts differ all raise alike."""
     size = plans.last_size.get(request.context)
     if diverged is None and size is not None:
         local = local_tensors(grads)
@@ -429,10 +405,9 @@ def _all_reduce(
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The one collective: sums (or maxes) the local contributions and checks, in the same buffer,
-    that every rank used the same plan. Returns the global (total, per-slot) powers. If any rank
-    held a ``nan``, the total is ``nan`` on every rank, and so is the slot that held it (``inf``
-    for the inf norm, whose MAX would drop a ``nan``). If the plans differ, where raising would
-    need a host sync, everything is ``nan``."""
+    that every rank used the same plan. Returns the global (total, per-slot) powers: ``nan`` where
+    any rank held one (a slot: ``inf`` for the inf norm), everything ``nan`` where the plans differ
+    and raising would need a host sync."""
     plan = entry.plan
     f, n = float(plan.fingerprint), dist.get_world_size(plan.group)
     if is_inf:
