@@ -359,7 +359,19 @@ def write_plot(data: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = list(dict.fromkeys((r["layout"], r.get("per_unit", 8)) for r in data["rows"]))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    fig, axes = plt.subplots(2, len(panels), figsize=(6 * len(panels), 8), squeeze=False)
+    for ax, (layout, per_unit) in zip(axes[1], panels):  # below: the ratios the tables quote
+        rows = [r for r in data["rows"] if (r["layout"], r.get("per_unit", 8)) == (layout, per_unit)]
+        for label, of in (("ndclip / bound", to_bound), ("ndclip / flat clip", lambda r: ratio(r["ndclip"], r["flat_clip"])),
+                          ("ndclip / torch", lambda r: ratio(r["ndclip"], r["torch"]))):
+            pts = [(r["n_tensors"], float(of(r))) for r in rows if of(r) != "-"]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        ax.axhline(1.2, color="grey", linestyle="--", linewidth=0.8, label="1.2 (the goal against the bound)")
+        ax.set(xscale="log", yscale="log", xlabel="gradient tensors per rank", ylabel="time ratio",
+               title=f"{layout}, {per_unit} tensors/unit: ratios")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
     for ax, (layout, per_unit) in zip(axes[0], panels):
         rows = [r for r in data["rows"] if (r["layout"], r.get("per_unit", 8)) == (layout, per_unit)]
         for m in METHODS:
