@@ -228,7 +228,8 @@ class _EachTensorARun:
     """A run finder that coalesces nothing: every local gradient its own run (ndclip with run coalescing off)."""
 
     def runs(self, locals_, counted, padding=None) -> Runs:
-        return Runs([t for t, c in zip(locals_, counted) if c and t.numel()], [t for t in locals_ if t.numel()])
+        return Runs([t for t, c in zip(locals_, counted) if c and t.numel()], [t for t in locals_ if t.numel()],
+                    [t for t, c in zip(locals_, counted) if not c and t.numel()])
 
 
 def each_tensor_a_run(params: list[nn.Parameter]) -> nd.NormPlans:

@@ -25,11 +25,11 @@ from lightning_ndclip.core.norm._runs import RunFinder, dim0_paddings
 GLOBAL_BATCH = 8
 
 
-def _mlp() -> nn.Sequential:
+def _mlp(dtype: torch.dtype = torch.float64) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
         nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 5), nn.LayerNorm(5)
-    ).double()
+    ).to(dtype)
 
 
 def _batch():
@@ -48,11 +48,11 @@ def _reference_grads(model: nn.Module, dp: int) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _parallel_model(dp_replicate: int, dp_shard: int, tp: int) -> tuple[nn.Module, int]:
+def _parallel_model(dp_replicate: int, dp_shard: int, tp: int, dtype: torch.dtype = torch.float64) -> tuple[nn.Module, int]:
     mesh = init_device_mesh(
         "cpu", (dp_replicate, dp_shard, tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
     )
-    model = _mlp()
+    model = _mlp(dtype)
     if tp > 1:  # TP on the first two linears only: the last layers live on the dp mesh alone
         parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     dp_mesh = mesh["dp_replicate", "dp_shard"] if dp_replicate > 1 else mesh["dp_shard"]
@@ -185,6 +185,36 @@ def test_fsdp_padding_joins_scale_runs_and_other_gaps_are_left_alone():
     # an unclipped gradient between two clipped ones is a gap larger than the padding: not written
     runs = run_on_ranks(4, _uneven_fsdp_case, "0.bias")
     assert runs[2][0] == 2
+
+
+def _copy_case(value: float, dtype: torch.dtype) -> tuple[float, float]:
+    """FSDP2 x TP: the last linear and the LayerNorm live on the dp mesh only, so on tp rank 1 their
+    gradients (views of their units' buffers) are copies that rank holds but does not count. Their
+    local pieces are set to ``value``: on tp rank 1 only when it is not finite (a copy gone bad),
+    on every rank otherwise (copies stay equal). Returns (ndclip's norm, the float64 reference)."""
+    model, dp_rank = _parallel_model(1, 2, 2, dtype)
+    x, y = (t.to(dtype) for t in _batch())
+    nn.functional.mse_loss(model(x.chunk(2)[dp_rank]), y.chunk(2)[dp_rank]).backward()
+    nd.get_total_norm([p.grad for p in model.parameters()])  # the plan, cached
+    if math.isfinite(value) or dist.get_rank() % 2 == 1:
+        for p in [*model[4].parameters(), *model[5].parameters()]:
+            p.grad.to_local().fill_(value)
+    reference = torch.stack([p.grad.full_tensor().double().square().sum() for p in model.parameters()]).sum().sqrt()
+    return float(nd.get_total_norm([p.grad for p in model.parameters()])), float(reference)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_bad_copy_inside_an_fsdp_buffer_makes_the_norm_nonfinite_everywhere(bad):
+    for norm, _ in run_on_ranks(4, _copy_case, bad, torch.float64):
+        assert not math.isfinite(norm)
+
+
+def test_copies_whose_float32_check_overflows_still_give_the_exact_norm():
+    """1e36 in float32 copies: the sum of their magnitudes overflows float32 (the copies' check says
+    non-finite), and so do the squares of the counted ones; the float64 retry gives the exact norm."""
+    for norm, reference in run_on_ranks(4, _copy_case, 1e36, torch.float32):
+        assert math.isfinite(norm) and abs(norm - reference) <= 1e-6 * reference
 
 
 class _TiedLM(nn.Module):

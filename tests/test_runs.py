@@ -31,6 +31,8 @@ def _check(
 ) -> tuple[list, list]:
     runs = finder.runs(views, counted, padding)
     assert torch.equal(_elements(runs.to_norm), _elements([v for v, c in zip(views, counted) if c]))
+    uncounted = [v for v, c in zip(views, counted) if not c and v.numel()]
+    assert torch.equal(_elements(runs.to_check), _elements(uncounted)) if uncounted else runs.to_check == []
     if padding is None:
         assert torch.equal(_elements(runs.to_scale), _elements(views))
     return runs.to_norm, runs.to_scale

@@ -105,10 +105,6 @@ class PlanEntry:
     padding: tuple[int, ...]
     finder: RunFinder = field(default_factory=RunFinder)
     constants: dict = field(default_factory=dict)
-    uncounted: tuple[int, ...] = field(init=False)  # the local tensors this rank holds but does not count (copies)
-
-    def __post_init__(self) -> None:
-        self.uncounted = tuple(i for i, counted in enumerate(self.plan.counted) if not counted)
 
     def constant(self, key: tuple, device: torch.device, dtype: torch.dtype, make: Callable[[], list]) -> torch.Tensor:
         """``torch.tensor(make())`` on ``device``, made on first use (no copy to the device per call)."""

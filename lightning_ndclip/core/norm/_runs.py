@@ -63,10 +63,12 @@ def _dim0_padding(spec: Any, local_shape: torch.Size) -> int:
 
 @dataclass(frozen=True)
 class Runs:
-    """The tensors to norm (counted pieces only) and to scale (every local gradient)."""
+    """The tensors to norm (counted pieces), to scale (every local gradient) and to check (the pieces
+    this rank holds but does not count: copies counted on another rank, which must stay finite)."""
 
     to_norm: list[torch.Tensor]
     to_scale: list[torch.Tensor]
+    to_check: list[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ class _Cut:
             return [buffer]
         if not self.sizes:
             return [locals_[m] for m in self.members]
-        sections = buffer.view(-1).split(self.sizes)
+        sections = (buffer if buffer.dim() == 1 else buffer.view(-1)).split_with_sizes(self.sizes)
         return [sections[k] for k in self.picks]
 
 
@@ -117,6 +119,7 @@ class _Group:
     dtype: torch.dtype
     to_norm: _Cut | None  # None: the same runs as to scale
     to_scale: _Cut
+    to_check: _Cut
 
 
 def _spans(
@@ -159,6 +162,7 @@ def _group(
     numel = int(buffer.numel())
     to_scale = _Cut.of(_spans(members, numels, offsets, padding, numel), numel)
     to_norm = _Cut.of(_spans([m for m in members if counted[m]], numels, offsets), numel)
+    to_check = _Cut.of(_spans([m for m in members if not counted[m]], numels, offsets), numel)
     return _Group(
         members=tuple(members),
         byte_offsets=tuple(offsets[m] * buffer.element_size() for m in members),
@@ -166,6 +170,7 @@ def _group(
         dtype=buffer.dtype,
         to_norm=None if to_norm == to_scale else to_norm,
         to_scale=to_scale,
+        to_check=to_check,
     )
 
 
@@ -177,6 +182,8 @@ class RunFinder:
         self._groups: tuple[_Group, ...] = ()
         self._singles: tuple[int, ...] = ()  # the tensors in no group
         self._counted_singles: tuple[int, ...] = ()
+        self._uncounted_singles: tuple[int, ...] = ()
+        self._all_counted = True
 
     def runs(
         self, locals_: Sequence[torch.Tensor], counted: Sequence[bool], padding: Sequence[int] | None = None
@@ -190,13 +197,17 @@ class RunFinder:
             buffers = [cast(torch.Tensor, view_base(locals_[g.members[0]])) for g in self._groups]
         to_norm: list[torch.Tensor] = []
         to_scale: list[torch.Tensor] = []
+        to_check: list[torch.Tensor] = []
         for group, buffer in zip(self._groups, buffers):
             scale = group.to_scale.pieces(buffer, locals_)
             to_scale += scale
             to_norm += scale if group.to_norm is None else group.to_norm.pieces(buffer, locals_)
+            if not self._all_counted:
+                to_check += group.to_check.pieces(buffer, locals_)
         to_norm += [locals_[i] for i in self._counted_singles]
         to_scale += [locals_[i] for i in self._singles]
-        return Runs(to_norm, to_scale)
+        to_check += [locals_[i] for i in self._uncounted_singles]
+        return Runs(to_norm, to_scale, to_check)
 
     def _checked_buffers(self, locals_: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         """The groups' buffers if the cached grouping still holds for ``locals_``, else ``None``."""
@@ -238,3 +249,5 @@ class RunFinder:
         self._groups = tuple(groups)
         self._singles = tuple(singles)
         self._counted_singles = tuple(i for i in singles if counted[i])
+        self._uncounted_singles = tuple(i for i in singles if not counted[i])
+        self._all_counted = all(counted)

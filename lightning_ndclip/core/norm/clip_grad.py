@@ -378,9 +378,10 @@ def _norm(
         power = _sum_or_max(per_slot, request.is_inf)
     else:
         power = _sum_or_max(_powers(runs.to_norm, request, acc, device), request.is_inf)
-    copies = [local[i] for i in entry.uncounted if local[i].numel()] if plan.needs_collective else []
+    copies = runs.to_check if plan.needs_collective else []
     if copies:  # replicas counted elsewhere can still hold an inf or nan that would make them diverge
-        check = _stacked_norms(copies, 1.0, torch.float64, request.foreach, device).sum()
+        # in ``acc``: a float32 sum that overflows makes the total nan, which the float64 retry redoes
+        check = _stacked_norms(copies, 1.0, acc, request.foreach, device).sum()
         power = torch.where(torch.isfinite(check), power, math.nan)
     if plan.needs_collective:
         power, per_slot = _all_reduce(power, per_slot, request.is_inf, entry, device)
