@@ -8,6 +8,7 @@ end to end. Run by hand::
 
     python benchmarks/bench_runs.py                    # against the C-level run finder of 534bb63
     python benchmarks/bench_runs.py --against <git revision>
+    python benchmarks/bench_runs.py --device cuda      # on a GPU: results/runs_1process_<gpu name>.*
 
 Methods:
 
@@ -38,7 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def layout(n: int, per_unit: int, elems: int, counted_every: int) -> tuple[list[torch.Tensor], list[int], list[bool]]:
+def layout(
+    n: int, per_unit: int, elems: int, counted_every: int, device: str = "cpu"
+) -> tuple[list[torch.Tensor], list[int], list[bool]]:
     """``n`` views of ``n / per_unit`` fresh flat buffers, 3 padding elements after every fourth view;
     with ``counted_every`` > 0, every such view is not counted (a tensor-parallel ``Replicate``
     parameter among ``Shard`` ones)."""
@@ -46,7 +49,7 @@ def layout(n: int, per_unit: int, elems: int, counted_every: int) -> tuple[list[
     for _ in range(n // per_unit):
         sizes = [elems + k % 3 for k in range(per_unit)]
         gaps = [3 if k % 4 == 1 else 0 for k in range(per_unit)]
-        buffer = torch.randn(sum(sizes) + sum(gaps))
+        buffer = torch.randn(sum(sizes) + sum(gaps), device=device)
         at = 0
         for size, gap in zip(sizes, gaps):
             views.append(torch.as_strided(buffer, (size,), (1,), at))
@@ -76,8 +79,13 @@ def norm_and_scale(to_norm: list[torch.Tensor], to_scale: list[torch.Tensor]) ->
     foreach_mul_(to_scale, 1.0)
 
 
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def bench_case(n: int, per_unit: int, counted_every: int, args: argparse.Namespace, old: type) -> dict:
-    views, padding, counted = layout(n, per_unit, args.elems, counted_every)
+    views, padding, counted = layout(n, per_unit, args.elems, counted_every, args.device)
     finders = {"ndclip": (RunFinder(), padding), f"at {args.against}": (old(), padding), "no padding": (RunFinder(), None)}
     for finder, pad in finders.values():
         finder.runs(views, counted, pad)
@@ -85,7 +93,8 @@ def bench_case(n: int, per_unit: int, counted_every: int, args: argparse.Namespa
     runs: dict[str, list[int]] = {}
     methods = [*finders, "uncoalesced"]
     for rep in range(args.reps):
-        views, _, _ = layout(n, per_unit, args.elems, counted_every)
+        views, _, _ = layout(n, per_unit, args.elems, counted_every, args.device)
+        synchronize(args.device)
         for name in methods[rep % len(methods) :] + methods[: rep % len(methods)]:  # each first in turn: fresh
             t0 = time.perf_counter()  # views are slower to read the first time, and the machine drifts
             if name == "uncoalesced":
@@ -95,6 +104,7 @@ def bench_case(n: int, per_unit: int, counted_every: int, args: argparse.Namespa
                 found = finder.runs(views, counted, pad)
                 norm_and_scale(found.to_norm, found.to_scale)
                 runs[name] = [len(found.to_norm), len(found.to_scale)]
+            synchronize(args.device)
             times[name].append(time.perf_counter() - t0)
     return {
         "n": n,
@@ -152,6 +162,7 @@ def main() -> None:
     parser.add_argument("--tensors-per-unit", type=int, nargs="+", default=[8, 200])
     parser.add_argument("--elems", type=int, default=64, help="elements per view")
     parser.add_argument("--reps", type=int, default=24)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda to time the kernels on a GPU")
     args = parser.parse_args()
     torch.set_num_threads(1)
     old = finder_at(args.against)
@@ -161,8 +172,9 @@ def main() -> None:
         for per_unit in args.tensors_per_unit
         for counted_every in (0, 4)
     ]
-    data = {"args": vars(args), "torch": torch.__version__, "device": "CPU, 1 thread", "rows": rows}
-    stem = RESULTS / "runs_1process"
+    device = "CPU, 1 thread" if args.device == "cpu" else torch.cuda.get_device_name()
+    data = {"args": vars(args), "torch": torch.__version__, "device": device, "rows": rows}
+    stem = RESULTS / ("runs_1process" + ("" if args.device == "cpu" else "_" + device.lower().replace(" ", "_")))
     RESULTS.mkdir(exist_ok=True)
     Path(f"{stem}.json").write_text(json.dumps(data, indent=1))
     write_markdown(data, Path(f"{stem}.md"))
