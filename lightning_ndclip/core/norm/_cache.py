@@ -9,8 +9,8 @@ layout, in a :class:`NormPlans`.
 together with the others: the keys are values (a DTensor's spec compares by mesh, placements, shape,
 stride and dtype; a plain tensor by shape and dtype; a mesh by its ranks and dim names; a process
 group by identity), and the caches' decisions depend on nothing but the sequence of keys. A rank
-whose own layout changed while the others' did not is the one exception: it misses alone, and
-:func:`probe` makes the others see it within their own all-reduce (see the norm's module).
+whose own layout changed while the others' did not is the one exception: it misses alone, and joins
+the others' all-reduce with a marker that makes them see it (``clip_grad._probe``).
 
 The caches grow when a dropped layout comes back (:class:`GrowingLRU`), so that a model cycling
 through more layouts than the capacity (an optimizer per layer) settles after one round.
@@ -25,11 +25,9 @@ from itertools import repeat
 from typing import Generic, TypeVar, cast
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_ndclip._compat import dtensor_spec
-from lightning_ndclip.core.agree import host_reads_are_free
 from lightning_ndclip.core.norm._plan import NormPlan
 from lightning_ndclip.core.norm._runs import RunFinder
 
@@ -164,28 +162,3 @@ class NormPlans:
     def __len__(self) -> int:
         """The number of plans kept."""
         return len(self.plans)
-
-
-PROBE_MARK = float(2**55)
-"""Above any plan fingerprint (< 2**52), so that no sum or max of fingerprints equals it."""
-
-
-def probe(size: int, is_inf: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    """Join the norm's all-reduce (of the ``size`` it had last time in this context) with a marker where
-    the plan fingerprint goes (``[total, fingerprint, ...]``, or ``[total, nan flag, f, -f, ...]`` for
-    the inf norm), so that ranks that hit their cached plans see a disagreement and exchange plans
-    too. Returns whether every rank missed (a new layout everywhere). On accelerators, where ranks
-    that hit do not read the check on the host, this rank raises unless every rank missed."""
-    buffer = torch.zeros(size, dtype=torch.float64, device=device)
-    if is_inf:
-        buffer[2], buffer[3] = PROBE_MARK, -PROBE_MARK
-    else:
-        buffer[1] = PROBE_MARK
-    dist.all_reduce(buffer, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
-    everyone = bool(buffer[3] == -PROBE_MARK) if is_inf else bool(buffer[1] == dist.get_world_size(group) * PROBE_MARK)
-    if not everyone and not host_reads_are_free(device):
-        raise RuntimeError(
-            "this rank's gradient layout changed after its norm plan was cached, while other ranks kept "
-            "theirs (their norm is nan this step); every rank of a stage must pass gradients of the same layout"
-        )
-    return everyone  # on CPU the ranks that hit saw the marker and come to the exchange as well

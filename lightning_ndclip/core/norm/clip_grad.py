@@ -42,7 +42,7 @@ from lightning_ndclip._compat import (
     local_tensors,
 )
 from lightning_ndclip.core.agree import host_reads_are_free
-from lightning_ndclip.core.norm._cache import NormPlans, PlanEntry, layout_key, probe
+from lightning_ndclip.core.norm._cache import NormPlans, PlanEntry, layout_key
 from lightning_ndclip.core.norm._plan import NormPlanError, build_plan
 from lightning_ndclip.core.norm._runs import RunFinder, dim0_paddings
 
@@ -331,13 +331,13 @@ def _agreed_plan(
 ) -> PlanEntry:
     """This layout's plan, agreed with every rank (collective). A cache miss (``diverged=None``) after
     earlier calls in the same context may be this rank's alone, the others being in the norm's
-    all-reduce already: it joins that all-reduce with a marker first (:func:`probe`), so that every
+    all-reduce already: it joins that all-reduce with a marker first (:func:`_probe`), so that every
     rank comes to the exchange. After a disagreement, ranks whose layouts differ all raise alike."""
     size = plans.last_size.get(request.context)
     if diverged is None and size is not None:
         local = local_tensors(grads)
         device = _collective_device(request.group, local[0].device if local else torch.device("cpu"))
-        diverged = not probe(size, request.is_inf, request.group, device)
+        diverged = not _probe(size, request.is_inf, request.group, device)
     try:
         plan = build_plan(
             grads,
@@ -434,6 +434,31 @@ def _all_reduce(
     poisoned = ~agreed | (buffer[1] > 0) if is_inf else ~agreed
     total = torch.where(poisoned, math.nan, buffer[0])
     return total, None if per_slot is None else torch.where(agreed, buffer[head:], math.nan)
+
+
+_PROBE_MARK = float(2**55)
+"""Above any plan fingerprint (< 2**52), so that no sum or max of fingerprints equals it."""
+
+
+def _probe(size: int, is_inf: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Join the norm's all-reduce (of the ``size`` it had last time in this context) with a marker where
+    the plan fingerprint goes (``[total, fingerprint, ...]``, or ``[total, nan flag, f, -f, ...]`` for
+    the inf norm), so that ranks that hit their cached plans see a disagreement and exchange plans
+    too. Returns whether every rank missed (a new layout everywhere). On accelerators, where ranks
+    that hit do not read the check on the host, this rank raises unless every rank missed."""
+    buffer = torch.zeros(size, dtype=torch.float64, device=device)
+    if is_inf:
+        buffer[2], buffer[3] = _PROBE_MARK, -_PROBE_MARK
+    else:
+        buffer[1] = _PROBE_MARK
+    dist.all_reduce(buffer, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+    everyone = bool(buffer[3] == -_PROBE_MARK) if is_inf else bool(buffer[1] == dist.get_world_size(group) * _PROBE_MARK)
+    if not everyone and not host_reads_are_free(device):
+        raise RuntimeError(
+            "this rank's gradient layout changed after its norm plan was cached, while other ranks kept "
+            "theirs (their norm is nan this step); every rank of a stage must pass gradients of the same layout"
+        )
+    return everyone  # on CPU the ranks that hit saw the marker and come to the exchange as well
 
 
 # --- helpers ---------------------------------------------------------------------------------------
