@@ -75,7 +75,7 @@ class Runs:
 class _Cut:
     """The runs of one buffer, made in one of three ways: the buffer itself, when it is the one run;
     the members as they are, when each run is one member (no new view, and no padding after a member
-    scaled); or the sections of one ``split`` of the flat buffer (one call for every section, which
+    scaled); or the sections of one ``split_with_sizes`` of the flat buffer (one call for every section, which
     costs less than one view per run), picking the runs among them."""
 
     whole: bool
@@ -119,7 +119,7 @@ class _Group:
     dtype: torch.dtype
     to_norm: _Cut | None  # None: the same runs as to scale
     to_scale: _Cut
-    to_check: _Cut
+    to_check: _Cut | None  # None: every member is counted
 
 
 def _spans(
@@ -162,7 +162,7 @@ def _group(
     numel = int(buffer.numel())
     to_scale = _Cut.of(_spans(members, numels, offsets, padding, numel), numel)
     to_norm = _Cut.of(_spans([m for m in members if counted[m]], numels, offsets), numel)
-    to_check = _Cut.of(_spans([m for m in members if not counted[m]], numels, offsets), numel)
+    uncounted = [m for m in members if not counted[m]]
     return _Group(
         members=tuple(members),
         byte_offsets=tuple(offsets[m] * buffer.element_size() for m in members),
@@ -170,7 +170,7 @@ def _group(
         dtype=buffer.dtype,
         to_norm=None if to_norm == to_scale else to_norm,
         to_scale=to_scale,
-        to_check=to_check,
+        to_check=_Cut.of(_spans(uncounted, numels, offsets), numel) if uncounted else None,
     )
 
 
@@ -183,7 +183,6 @@ class RunFinder:
         self._singles: tuple[int, ...] = ()  # the tensors in no group
         self._counted_singles: tuple[int, ...] = ()
         self._uncounted_singles: tuple[int, ...] = ()
-        self._all_counted = True
 
     def runs(
         self, locals_: Sequence[torch.Tensor], counted: Sequence[bool], padding: Sequence[int] | None = None
@@ -202,7 +201,7 @@ class RunFinder:
             scale = group.to_scale.pieces(buffer, locals_)
             to_scale += scale
             to_norm += scale if group.to_norm is None else group.to_norm.pieces(buffer, locals_)
-            if not self._all_counted:
+            if group.to_check is not None:
                 to_check += group.to_check.pieces(buffer, locals_)
         to_norm += [locals_[i] for i in self._counted_singles]
         to_scale += [locals_[i] for i in self._singles]
@@ -250,4 +249,3 @@ class RunFinder:
         self._singles = tuple(singles)
         self._counted_singles = tuple(i for i in singles if counted[i])
         self._uncounted_singles = tuple(i for i in singles if not counted[i])
-        self._all_counted = all(counted)
