@@ -78,6 +78,7 @@ def test_train_gpt_runs_fsdp_x_tp_and_logs(tmp_path):
     out = _run("train_gpt.py", *args, "--logdir", str(tmp_path / "runs"), cwd=tmp_path, logged=logged)
     assert 0 < _summary(out, steps=4)["loss"] < 10  # mean cross-entropy over 64 tokens (ln 64 ≈ 4.2 at the start)
     assert "verdict: exact" in logged[0]  # VerifyOneDevice: the first step equals the model on one process
+    assert "as one batch  loss" in logged[0]  # ... and the window as one batch equals its micro-batches
     assert list((tmp_path / "runs" / "gpt").glob("version_0/events.out.tfevents.*"))
 
 

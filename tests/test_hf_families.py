@@ -171,6 +171,7 @@ def test_a_family_trained_with_its_own_plan_equals_one_device(family):
     assert [n for n in result["tp_split"] if ".experts." in n] == sorted(experts)
     assert result["view_warnings"] == []  # FSDP2's, for a unit (the model, the strategy's root) returning a view
     assert "verdict: exact" in result["verified"], result["verified"]  # the users' own check agrees
+    assert "as one batch  loss" in result["verified"], result["verified"]  # the window as one batch too
     for key in ("losses", "norms"):
         torch.testing.assert_close(torch.tensor(result[key]), torch.tensor(reference[key]), rtol=1e-5, atol=0, msg=key)
     assert result["params"].keys() == reference["params"].keys()

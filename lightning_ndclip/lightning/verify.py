@@ -15,6 +15,10 @@ rank 0 replays the window on the copy, in float64 where the model runs in it, wi
   token weighted ``1 / (its sample's valid tokens x the window's samples)``;
 * otherwise: the mean of the micro-batch losses (Lightning's meaning).
 
+With ``count_tokens`` and a mean loss it also replays the window as one batch (the micro-batches
+concatenated: what one device computes), which must equal the weighted micro-batches: a count of other
+tokens than the loss averages over, or a loss that is no token mean, is caught there.
+
 It then compares the window's loss, every parameter's gradient (by the module's own names) and the
 total norm, prints a short report on rank 0, and on a mismatch raises ``ValueError`` on every rank
 (or warns) naming the parameters and, where it can tell, why: a tie that parallelization split into
@@ -46,6 +50,7 @@ import re
 import time
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -79,16 +84,24 @@ class VerifyOneDevice(Callback):
             the total norm) that counts as equal; default by the parameters' dtype: 1e-4 (float32),
             2e-2 (bfloat16), 5e-3 (float16), 1e-8 (float64).
         rows: how many of the worst parameters the report lists.
+        whole_window: with ``count_tokens``, also replay the window as one batch (its micro-batches
+            concatenated), which one device would see, and compare it with the micro-batches weighted
+            by their ``count_tokens``: catches a count of other tokens than the loss averages over (a
+            model's own loss that shifts the labels) and a loss that is not a mean over tokens (an
+            MoE router's auxiliary loss). Needs micro-batches of equal shapes but for dim 0 (else
+            the report says it was not checked) and room for the whole window's activations.
 
     Put it before :class:`~lightning_ndclip.GlobalNormClip` in ``callbacks`` (the gradients are
     compared before clipping; the other order is refused at setup). After the first step it does
     nothing: it costs nothing when absent and only the first step when present.
     """
 
-    def __init__(self, on_mismatch: Literal["raise", "warn"] = "raise", rtol: float | None = None, rows: int = 5) -> None:
+    def __init__(
+        self, on_mismatch: Literal["raise", "warn"] = "raise", rtol: float | None = None, rows: int = 5, whole_window: bool = True
+    ) -> None:
         if on_mismatch not in ("raise", "warn"):
             raise ValueError(f"on_mismatch must be 'raise' or 'warn', got {on_mismatch!r}")
-        self.on_mismatch, self.rtol, self.rows = on_mismatch, rtol, rows
+        self.on_mismatch, self.rtol, self.rows, self.whole_window = on_mismatch, rtol, rows, whole_window
         self._plain: pl.LightningModule | None = None
         self._batches: list[tuple[int, Any]] = []
         self._outputs: list[float] = []
@@ -195,13 +208,21 @@ class VerifyOneDevice(Callback):
         rtol = self.rtol if self.rtol is not None else max(_RTOL.get(d, 1e-4) for d in dtypes)
         stage_ties = [tuple(f"{pipeline.module}.{n}" for n in tie) for tie in pipeline.tied_parameters] if pipeline else []
         parallel_ties = [tuple(_plain_name(n, pipeline) for n in tie) for tie in tied_parameters(pl_module)] + stage_ties
-        rows = _rows(self._grads, reference, tied_parameters(plain), parallel_ties)
         norm, ref_norm = _total_norm(self._grads, stage_ties), _total_norm(reference, [])
+        rows = _rows(self._grads, reference, tied_parameters(plain), parallel_ties, ref_norm)
         bad = [r for r in rows if r[1] > rtol]
         loss_err, norm_err = _relative(parallel_loss, ref_loss), _relative(norm, ref_norm)
+        window = (
+            _WindowCheck.of(self._plain, micro_batches, _OneProcess(trainer, stand_in), dtype, reference, ref_loss, ref_norm)
+            if self.whole_window and stand_in.loss_reduction == "mean" and stand_in.loss_normalization != "sample_mean"
+            and callable(getattr(plain, "count_tokens", None))
+            else None
+        )  # fmt: skip
+        window_bad = window is not None and window.differs(rtol)
         verdict = (
             f"MISMATCH: {len(bad)} of {len(rows)} parameters beyond rtol {rtol:g}"
-            if bad or loss_err > rtol or norm_err > rtol
+            + ("; the window as one batch differs from its micro-batches" if window_bad else "")
+            if bad or loss_err > rtol or norm_err > rtol or window_bad
             else f"exact: every gradient, the loss and the norm within rtol {rtol:g}"
         )
         lines = [
@@ -211,6 +232,7 @@ class VerifyOneDevice(Callback):
             f"  total norm  parallel {norm:.10g}   one device {ref_norm:.10g}   rel. error {norm_err:.1e}",
             f"  worst parameters (of {len(rows)}):",
             *(f"    {name:<44} {err:9.1e}  {cause}" for name, err, cause in rows[: self.rows]),
+            *([] if window is None else [f"  as one batch {window.summary()}"]),
             f"  verdict: {verdict}",
             f"  the check took {time.perf_counter() - self._started:.2f} s (gathering, replay, comparison); rank 0's "
             f"peak memory grew by {max(0.0, _peak_mb() - self._peak):.0f} MB",
@@ -219,10 +241,13 @@ class VerifyOneDevice(Callback):
         rank_zero_info(self.report)
         if not verdict.startswith("MISMATCH"):
             return None
-        named = "; ".join(f"{name} (rel. error {err:.1e}: {cause})" for name, err, cause in (bad or rows)[: self.rows])
+        named = "; ".join(
+            f"{name} (rel. error {err:.1e}{': ' + cause if cause else ''})" for name, err, cause in (bad or rows)[: self.rows]
+        )
         return (
             f"VerifyOneDevice: the parallel run differs from the same module on one process at the first step: "
             f"{verdict}; loss rel. error {loss_err:.1e}, total norm rel. error {norm_err:.1e}. {named}"
+            + (f". {window.explanation()}" if window is not None and window_bad else "")
         )
 
 
@@ -342,10 +367,7 @@ def _replay(
     """A copy of ``plain`` holding the window's gradient, in float64 if the module runs in it (else
     float32), its dtype and the window's loss."""
     for dtype in (torch.float64, torch.float32):
-        model = copy.deepcopy(plain).to(dtype).train()
-        model.trainer = trainer  # type: ignore[assignment]  # the copy's, never the user's module
-        trainer.strategy.module = model
-        _compat.set_device_mesh(model, trainer.strategy.world_mesh)
+        model = _copy(plain, trainer, dtype)
         try:
             return model, dtype, _accumulate(model, batches, trainer.strategy, dtype)
         except (RuntimeError, TypeError):
@@ -354,29 +376,49 @@ def _replay(
     raise AssertionError("unreachable")
 
 
+def _copy(plain: pl.LightningModule, trainer: _OneProcess, dtype: torch.dtype) -> pl.LightningModule:
+    """A copy of ``plain`` in ``dtype`` that sees ``trainer`` as its trainer."""
+    model = copy.deepcopy(plain).to(dtype).train()
+    model.trainer = trainer  # type: ignore[assignment]  # the copy's, never the user's module
+    trainer.strategy.module = model
+    _compat.set_device_mesh(model, trainer.strategy.world_mesh)
+    return model
+
+
 def _accumulate(
     model: pl.LightningModule, batches: list[tuple[int, Any]], strategy: _OneProcessStrategy, dtype: torch.dtype
 ) -> float:
     """Run ``training_step`` on every micro-batch, its loss weighted as one device would weigh it, and
     backward; returns the window's loss."""
-    cast = [(i, apply_to_collection(b, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)) for i, b in batches]
+    cast = [(i, _cast(b, dtype)) for i, b in batches]
     if strategy.loss_normalization == "sample_mean":
         weights: list[Any] = _sample_weights(model, cast)
     else:
         weights = _token_weights(model, cast, strategy.loss_reduction)
     window = torch.zeros((), dtype=torch.float64)
+    for (batch_idx, batch), weight in zip(cast, weights):
+        loss = _training_step(model, batch_idx, batch)
+        if loss is None:  # a skipped micro-batch, as Lightning skips it
+            continue
+        with torch.enable_grad():
+            weighted = weight(loss) if callable(weight) else (loss * weight.to(loss.dtype)).sum()
+            weighted.backward()
+        window += weighted.detach().double()
+    return float(window)
+
+
+def _cast(batch: Any, dtype: torch.dtype) -> Any:
+    return apply_to_collection(batch, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def _training_step(model: pl.LightningModule, batch_idx: int, batch: Any) -> torch.Tensor | None:
+    """The loss ``training_step`` returns (``None`` for none), with gradients enabled."""
     with torch.enable_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log on the stand-in trainer
         with_index = is_param_in_hook_signature(model.training_step, "batch_idx", min_args=2)
-        for (batch_idx, batch), weight in zip(cast, weights):
-            out = model.training_step(batch, batch_idx) if with_index else model.training_step(batch)
-            loss = out["loss"] if isinstance(out, Mapping) else out
-            if not isinstance(loss, torch.Tensor):  # None: a skipped micro-batch, as Lightning skips it
-                continue
-            weighted = weight(loss) if callable(weight) else (loss * weight.to(loss.dtype)).sum()
-            weighted.backward()
-            window += weighted.detach().double()
-    return float(window)
+        out = model.training_step(batch, batch_idx) if with_index else model.training_step(batch)
+    loss = out["loss"] if isinstance(out, Mapping) else out
+    return loss if isinstance(loss, torch.Tensor) else None
 
 
 def _token_weights(model: pl.LightningModule, batches: list[tuple[int, Any]], reduction: str) -> list[Any]:
@@ -418,13 +460,111 @@ def _relative(got: float, expected: float) -> float:
     return abs(got - expected) / max(abs(expected), 1e-30)
 
 
+class _Unaligned(ValueError):
+    """Micro-batches that cannot be concatenated into one batch."""
+
+
+def _concatenated(batches: list[Any]) -> Any:
+    """The micro-batches as one batch: tensors concatenated along dim 0, in mappings, lists and tuples
+    of the same structure; every other value must be equal in all of them. Raises :class:`_Unaligned`."""
+    head = batches[0]
+    if isinstance(head, torch.Tensor):
+        if head.dim() == 0 or any(t.shape[1:] != head.shape[1:] for t in batches):
+            raise _Unaligned(f"tensors of shapes {sorted({tuple(t.shape) for t in batches})}")
+        return torch.cat(batches)
+    if isinstance(head, Mapping):
+        if any(set(b) != set(head) for b in batches):
+            raise _Unaligned("mappings with different keys")
+        joined = {k: _concatenated([b[k] for b in batches]) for k in head}
+        try:
+            return type(head)(joined)  # type: ignore[call-arg]  # e.g. transformers' BatchEncoding
+        except TypeError:
+            return joined
+    if isinstance(head, (list, tuple)):
+        if any(len(b) != len(head) for b in batches):
+            raise _Unaligned("sequences of different lengths")
+        items = [_concatenated([b[i] for b in batches]) for i in range(len(head))]
+        named = isinstance(head, tuple) and type(head) is not tuple  # a namedtuple takes its fields one by one
+        return type(head)(*items) if named else type(head)(items)
+    if any(b != head for b in batches):
+        raise _Unaligned(f"values that differ ({head!r}, ...)")
+    return head
+
+
+_ZERO_GRADIENT = 1e-3
+"""A gradient below this fraction of the total norm is compared with that fraction of the norm: one
+that is zero in exact arithmetic (a key bias, which the softmax cancels) comes out as rounding noise."""
+
+
+@dataclass(frozen=True)
+class _WindowCheck:
+    """The window replayed as one batch (what one device computes) against its micro-batches weighted
+    by ``count_tokens``: the loss's relative error and the worst gradient, or why it was not checked."""
+
+    loss: float = math.nan
+    loss_error: float = 0.0
+    worst: tuple[str, float, str] | None = None
+    skipped: str = ""
+
+    @staticmethod
+    def of(
+        plain: pl.LightningModule,
+        batches: list[tuple[int, Any]],
+        trainer: _OneProcess,
+        dtype: torch.dtype,
+        reference: Mapping[str, torch.Tensor | None],
+        ref_loss: float,
+        ref_norm: float,
+    ) -> _WindowCheck:
+        try:
+            batch = _cast(_concatenated([b for _, b in batches]), dtype)
+        except _Unaligned as error:
+            return _WindowCheck(skipped=f"not checked: the micro-batches do not concatenate ({error})")
+        model = _copy(plain, trainer, dtype)
+        try:
+            loss = _training_step(model, batches[0][0], batch)
+            if loss is None or loss.dim() or not torch.isfinite(loss):
+                return _WindowCheck(skipped="not checked: training_step returns no finite mean over the whole window")
+            with torch.enable_grad():
+                loss.backward()
+        except Exception as error:  # a step written for its micro-batch size: the check is left out, not the run
+            failed = f"{type(error).__name__}: {error}"
+            return _WindowCheck(skipped=f"not checked: training_step failed on the whole window ({failed})")
+        grads = {_WRAPPERS.sub("", n): p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+        rows = _rows(grads, dict(reference), [], [], ref_norm)
+        value = float(loss.detach())
+        return _WindowCheck(value, _relative(value, ref_loss), rows[0] if rows else None)
+
+    def differs(self, rtol: float) -> bool:
+        return not self.skipped and (self.loss_error > rtol or (self.worst is not None and self.worst[1] > rtol))
+
+    def summary(self) -> str:
+        if self.skipped:
+            return self.skipped
+        worst = "" if self.worst is None else f"; worst gradient {self.worst[0]} {self.worst[1]:.1e}"
+        return f" loss {self.loss:.10g}   rel. error {self.loss_error:.1e} (against the micro-batches){worst}"
+
+    def explanation(self) -> str:
+        worst = "" if self.worst is None else f", {self.worst[0]} rel. error {self.worst[1]:.1e}"
+        return (
+            f"The window as one batch (what one device computes) differs from its micro-batches weighted by "
+            f"count_tokens (loss rel. error {self.loss_error:.1e}{worst}): count_tokens must count exactly the "
+            "tokens the loss averages over (a model's own loss that shifts the labels, as transformers' "
+            "`labels=` does, averages over labels[:, 1:]), and a loss that is not a mean over tokens (an MoE "
+            "router's auxiliary loss, batch statistics) cannot equal one device once split into micro-batches "
+            "(VerifyOneDevice(whole_window=False) leaves this check out)"
+        )
+
+
 def _rows(
     grads: dict[str, torch.Tensor | None],
     reference: dict[str, torch.Tensor | None],
     plain_ties: list[tuple[str, ...]],
     parallel_ties: list[tuple[str, ...]],
+    total_norm: float,
 ) -> list[tuple[str, float, str]]:
-    """``(name, relative error, cause)`` for every parameter, worst first."""
+    """``(name, relative error, cause)`` for every parameter, worst first (errors of gradients below
+    ``_ZERO_GRADIENT`` of ``total_norm`` relative to that)."""
     tied_together = {frozenset(t) for t in parallel_ties}
     split_ties = {
         name: [n for n in tie if n != name]
@@ -445,7 +585,7 @@ def _rows(
             missing = "no gradient in the parallel run" if got is None else "no gradient on one device"
             rows.append((name, 0.0 if got is expected else math.inf, "" if got is expected else missing))
             continue
-        error = float((got - expected).norm() / expected.norm().clamp(min=1e-30))
+        error = float((got - expected).norm()) / max(float(expected.norm()), _ZERO_GRADIENT * total_norm, 1e-30)
         rows.append((name, error, _cause(name, got, expected, split_ties)))
     return sorted(rows, key=lambda r: -r[1])
 
