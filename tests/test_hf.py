@@ -67,6 +67,17 @@ def test_a_module_the_style_cannot_shard_is_an_error_naming_it():
         hf_tp_plan(model)
 
 
+def test_a_head_count_tp_does_not_divide_is_an_error_naming_the_config_field():
+    """4 heads and 2 key/value heads: tp=2 holds whole heads; tp=4 would cut each key/value head in two, which
+    transformers' attention met as a shape error ('shape [2, 8, -1, 8] is invalid') in the first forward."""
+    holder = nn.ModuleDict({"lm": _llama()})
+    assert hf_tp_plan(holder, tp=2) and hf_tp_plan(holder, tp=1)
+    with pytest.raises(ValueError, match=r"lm's config.num_key_value_heads is 2, which tp=4 does not divide"):
+        hf_tp_plan(holder, tp=4)
+    with pytest.raises(ValueError, match=r"config.num_attention_heads is 4, which tp=3 does not divide"):
+        hf_tp_plan(holder, tp=3)
+
+
 def test_no_transformers_model_is_an_error_saying_so():
     with pytest.raises(ValueError, match="found no Hugging Face transformers model"):
         hf_tp_plan(nn.Sequential(nn.Linear(2, 2)))

@@ -149,6 +149,20 @@ def transformers_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def _check_heads(name: str, model: nn.Module, tp: int) -> None:
+    """Refuse a head count that ``tp`` does not divide: the plan's column split would cut heads apart,
+    which transformers' attention reports as a shape error deep in the first forward."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "get_text_config", lambda: config)()
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(text, field, None)
+        if isinstance(heads, int) and heads % tp:
+            raise ValueError(
+                f"tp_plan='auto': {name}'s config.{field} is {heads}, which tp={tp} does not divide: each "
+                f"tensor-parallel rank must hold whole heads; choose a tp that divides {heads}"
+            )
+
+
 def _style_for(
     model: nn.Module, key: str, style: str, entries: dict[str, str], submodules: dict[str, nn.Module], params: list[str]
 ) -> ParallelStyle | None:
@@ -200,19 +214,27 @@ def _text_config(model: nn.Module) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def hf_tp_plan(module: nn.Module) -> dict[str, ParallelStyle]:
+def hf_tp_plan(module: nn.Module, tp: int | None = None) -> dict[str, ParallelStyle]:
     """The tensor-parallel plan of the ``transformers`` models in ``module`` (``module`` itself, or its
     submodules: names are relative to ``module``), as ``{module name pattern: ParallelStyle}``.
+
+    Args:
+        module: the model, or a module holding ``transformers`` models.
+        tp: the tensor-parallel size the plan is for: every model's attention and key-value head
+            counts must divide by it (each rank holds whole heads). ``None``: not checked.
 
     Raises:
         ImportError: ``transformers`` is not installed.
         ValueError: no ``transformers`` model in ``module`` has a plan; or a plan entry has a style
             without a PyTorch equivalent, or names a module of a class its style cannot shard, or
-            weights outside a ``moe_tp_experts`` module (each naming the entry).
+            weights outside a ``moe_tp_experts`` module (each naming the entry); or a head count
+            that ``tp`` does not divide (naming the config field).
     """
     plan: dict[str, ParallelStyle] = {}
     models = transformers_models(module)
     for prefix, model in models:
+        if tp is not None:
+            _check_heads(prefix or type(model).__name__, model, tp)
         entries = dict(getattr(model, "tp_plan", None) or {})
         submodules = {name: child for name, child in model.named_modules() if name}
         params = [name for name, _ in model.named_parameters()]
