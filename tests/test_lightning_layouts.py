@@ -154,6 +154,43 @@ def test_tied_children_without_a_module_forward_are_refused_naming_the_fix():
         assert "children share parameters" in message and "define forward and call self(...)" in message, message
 
 
+class IteratedSequentialLM(NanoLM):
+    """Every layer in one nn.Sequential, iterated in forward rather than called."""
+
+    def __init__(self) -> None:
+        super().__init__("list")
+        self.layers = nn.Sequential(self.embed, *self.blocks, self.head)
+        del self.embed, self.blocks, self.head
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = tokens
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+def _iterated_sequential_case() -> str:
+    use_existing_process_group()
+    strategy = nd.NDParallelStrategy(dp_shard=2, plan=nd.ParallelPlan(fsdp_units=[Block]), summary=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    try:
+        trainer.fit(IteratedSequentialLM())
+    except ValueError as error:
+        return str(error)
+    return "trained"
+
+
+@pytest.mark.faults
+def test_an_iterated_sequential_root_unit_is_an_error_naming_the_fix():
+    """The nn.Sequential is the root unit (the child training_step calls): iterated, its forward never gathers the
+    embedding's and the head's weights. It was PyTorch's 'aten.embedding.default got mixed torch.Tensor and
+    DTensor'."""
+    for message in run_on_ranks(2, _iterated_sequential_case):
+        assert "layers.0 (Embedding) was called outside the forward of layers, an nn.Sequential" in message, message
+        assert "Call it (layers(x))" in message
+
+
 CLI_CONFIG = """
 trainer:
   accelerator: cpu

@@ -90,7 +90,7 @@ def parallelize(
         if tp_plan == "auto":
             from lightning_ndclip.core.parallel.hf import hf_tp_plan  # needs transformers only when asked for
 
-            tp_plan = hf_tp_plan(module)
+            tp_plan = hf_tp_plan(module, tp=meshes["tp"].size())
         tensor_parallelize(module, meshes["tp"], tp_plan)
     if activation_checkpointing:
         _replace_children(module, tuple(activation_checkpointing))
@@ -113,7 +113,41 @@ def parallelize(
         for linear in _own_linears(root):  # e.g. an LM head: its output may be the unit's
             linear.register_forward_hook(output_not_a_view)
         fully_shard(root, **fsdp_kwargs)
+        if isinstance(root, nn.Sequential):
+            _SequentialCalled(root, next((n for n, m in module.named_modules() if m is root), "") or "the module")
     return module
+
+
+class _SequentialCalled:
+    """An ``nn.Sequential`` root unit gathers, in its forward, the weights of its members that are no
+    FSDP2 unit of their own; iterated instead (``for layer in self.layers``), such a member would meet
+    sharded weights ('got mixed torch.Tensor and DTensor'). Its forward hooks make that a clear error,
+    raised alike on every rank (they all run the same code)."""
+
+    def __init__(self, sequential: nn.Sequential, name: str) -> None:
+        self.active, self.name = False, name
+        self.members: dict[nn.Module, str] = {}
+        sequential.register_forward_pre_hook(self.enter)
+        sequential.register_forward_hook(self.leave)
+        for child, member in sequential.named_children():
+            if not isinstance(member, FSDPModule) and any(True for _ in member.parameters()):
+                member.register_forward_pre_hook(self.check)
+                self.members[member] = f"{name}.{child}"
+
+    def enter(self, *_: Any) -> None:
+        self.active = True
+
+    def leave(self, *_: Any) -> None:
+        self.active = False
+
+    def check(self, member: nn.Module, _: Any) -> None:
+        if not self.active:
+            raise ValueError(
+                f"{self.members[member]} ({type(member).__name__}) was called outside the forward of {self.name}, an "
+                f"nn.Sequential that is an FSDP2 root unit: it gathers its members' weights in its forward, and it was "
+                f"iterated, not called. Call it ({self.name}(x)), hold the layers in an nn.ModuleList, or name the "
+                "modules training_step calls in ParallelPlan(root_units=...)"
+            )
 
 
 def _own_linears(root: nn.Module) -> list[nn.Module]:
