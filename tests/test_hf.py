@@ -78,6 +78,21 @@ def test_a_head_count_tp_does_not_divide_is_an_error_naming_the_config_field():
         hf_tp_plan(holder, tp=3)
 
 
+def test_a_per_head_norm_the_plan_leaves_whole_is_an_error_naming_it():
+    """Cohere's use_qk_norm: q_norm's weight is [heads, head_dim], and its plan splits the heads but names no norm
+    (it failed in the first forward: 'The size of tensor a (4) must match the size of tensor b (2)')."""
+    config = transformers.CohereConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, use_qk_norm=True,
+    )  # fmt: skip
+    model = transformers.CohereForCausalLM(config)
+    per_head = r"model.layers.0.self_attn.q_norm \(CohereLayerNorm\) holds one weight row per attention head \(\[4, 4\]\)"
+    with pytest.raises(ValueError, match=per_head):
+        hf_tp_plan(model)
+    config.use_qk_norm = False
+    assert hf_tp_plan(transformers.CohereForCausalLM(config))  # without the per-head norms, its plan applies
+
+
 def test_no_transformers_model_is_an_error_saying_so():
     with pytest.raises(ValueError, match="found no Hugging Face transformers model"):
         hf_tp_plan(nn.Sequential(nn.Linear(2, 2)))

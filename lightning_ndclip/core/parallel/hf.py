@@ -163,6 +163,22 @@ def _check_heads(name: str, model: nn.Module, tp: int) -> None:
             )
 
 
+def _check_per_head_norms(prefix: str, model: nn.Module, entries: dict[str, str], submodules: dict[str, nn.Module]) -> None:
+    """Refuse a ``q_norm`` / ``k_norm`` holding one weight row per head (Cohere's ``use_qk_norm``) that the
+    plan leaves whole while it splits the heads: each rank's heads would meet every head's rows, which
+    failed in the first forward with a shape error."""
+    for name, child in submodules.items():
+        weight = getattr(child, "weight", None)
+        if name.rsplit(".", 1)[-1] not in ("q_norm", "k_norm") or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            continue
+        if not any(matches_plan_key(name, key) for key in entries):
+            raise ValueError(
+                f"tp_plan='auto': {f'{prefix}.' if prefix else ''}{name} ({type(child).__name__}) holds one weight row "
+                f"per attention head ({list(weight.shape)}), which {type(model).__name__}'s plan leaves whole while "
+                "it splits the heads over tp; give a tp_plan of your own, or train this model with tp=1"
+            )
+
+
 def _style_for(
     model: nn.Module, key: str, style: str, entries: dict[str, str], submodules: dict[str, nn.Module], params: list[str]
 ) -> ParallelStyle | None:
@@ -228,7 +244,8 @@ def hf_tp_plan(module: nn.Module, tp: int | None = None) -> dict[str, ParallelSt
         ValueError: no ``transformers`` model in ``module`` has a plan; or a plan entry has a style
             without a PyTorch equivalent, or names a module of a class its style cannot shard, or
             weights outside a ``moe_tp_experts`` module (each naming the entry); or a head count
-            that ``tp`` does not divide (naming the config field).
+            that ``tp`` does not divide (naming the config field); or a per-head ``q_norm`` /
+            ``k_norm`` weight that the plan leaves whole (Cohere's ``use_qk_norm``).
     """
     plan: dict[str, ParallelStyle] = {}
     models = transformers_models(module)
@@ -238,6 +255,7 @@ def hf_tp_plan(module: nn.Module, tp: int | None = None) -> dict[str, ParallelSt
         entries = dict(getattr(model, "tp_plan", None) or {})
         submodules = {name: child for name, child in model.named_modules() if name}
         params = [name for name, _ in model.named_parameters()]
+        _check_per_head_norms(prefix, model, entries, submodules)
         for key, style in entries.items():
             made = _style_for(model, key, style, entries, submodules, params)
             if made is not None:
