@@ -523,8 +523,10 @@ class _WindowCheck:
         model = _copy(plain, trainer, dtype)
         try:
             loss = _training_step(model, batches[0][0], batch)
-            if loss is None or loss.dim() or not torch.isfinite(loss):
-                return _WindowCheck(skipped="not checked: training_step returns no finite mean over the whole window")
+            if loss is None or loss.dim():
+                return _WindowCheck(skipped="not checked: training_step returns no mean (per-token losses, or none)")
+            if not torch.isfinite(loss):
+                return _WindowCheck(skipped="not checked: the whole window's mean is not finite (no valid token?)")
             with torch.enable_grad():
                 loss.backward()
         except Exception as error:  # a step written for its micro-batch size: the check is left out, not the run
