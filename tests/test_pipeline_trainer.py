@@ -185,23 +185,58 @@ def test_trainer_ties_embedding_and_head_across_stages():
         assert {"embed.weight", "head.weight"} & set(r["params"])
 
 
-def _misspelled_tie_case() -> str:
+def _tie_declaration_case(kind: str) -> str:
     use_existing_process_group()
+    ties = {"misspelled": [("embed.weight", "head.wieght")], "undeclared": [], "untied": [("embed.weight", "head.weight")]}
     strategy = nd.NDParallelStrategy(
-        pp=2,
-        pipeline=nd.PipelineOptions(split_points=["layers.2"], microbatches=2, tied_parameters=[("embed.weight", "head.wieght")]),
+        pp=2, pipeline=nd.PipelineOptions(split_points=["layers.2"], microbatches=2, tied_parameters=ties[kind])
     )
+    module = _PipelinedLM() if kind == "untied" else _TiedPipelinedLM()
     with pytest.raises(ValueError) as info:
-        _fit_two_windows(_TiedPipelinedLM(), strategy, devices=2, steps=1)
+        _fit_two_windows(module, strategy, devices=2, steps=1)
     return str(info.value)
 
 
 @pytest.mark.faults
-def test_a_tied_parameter_name_that_is_no_parameter_is_an_error_naming_it():
-    """'head.wieght' lies in the unit 'head', so the stage check alone passed it: the last stage then
-    had no copy to tie, and both ranks hung (seen: the harness's 120 s timeout)."""
-    for message in run_on_ranks(2, _misspelled_tie_case):
-        assert "['head.wieght'] is not a parameter name of model" in message, message
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [
+        ("misspelled", "['head.wieght'] is not a parameter name of model"),
+        ("undeclared", "['embed.weight', 'head.weight'] are one tensor in model, and split_points ['layers.2'] put "
+                       "them in stages [0, 1]: each stage would train its own copy"),
+        ("untied", "entry ['embed.weight', 'head.weight']: these are different tensors in model"),
+    ],
+)  # fmt: skip
+def test_a_tie_declaration_that_is_not_the_models_is_an_error_naming_it(kind, expected):
+    """misspelled: 'head.wieght' lies in the unit 'head', so the stage check alone passed it: the last stage then
+    had no copy to tie, and both ranks hung (seen: the harness's 120 s timeout). undeclared: each stage trained its
+    own copy of the tied weight (norms 9.4625 against 9.4750 on one device). untied: the declaration copied the
+    embedding over the head at setup, training another model (losses 15.6 against 2.9)."""
+    for message in run_on_ranks(2, _tie_declaration_case, kind):
+        assert expected in message, message
+
+
+class _ThreeRowsPipelinedLM(_PipelinedLM):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_batch()), batch_size=3)
+
+
+def _uneven_microbatches_case() -> str:
+    use_existing_process_group()
+    strategy = nd.NDParallelStrategy(pp=2, pipeline=nd.PipelineOptions(split_points=["layers.2"], microbatches=2))
+    module = _ThreeRowsPipelinedLM()
+    module.dp = 1
+    with pytest.raises(ValueError) as info:
+        _fit_two_windows(module, strategy, devices=2, steps=1)
+    return str(info.value)
+
+
+@pytest.mark.faults
+def test_a_batch_the_microbatches_do_not_divide_is_an_error_on_every_rank():
+    """3 rows in 2 micro-batches (or an epoch's short last batch): the first stage failed alone in autograd
+    ('Mismatch in shape: grad_output[0] has a shape of torch.Size([2, 8, 16])'), the other lost its peer."""
+    for message in run_on_ranks(2, _uneven_microbatches_case):
+        assert "a batch of 3 rows does not split into PipelineOptions(microbatches=2)" in message, message
 
 
 class _AdamPipelinedLM(_PipelinedLM):

@@ -319,7 +319,7 @@ class _MeanPipelinedLM(_PipelinedLM):
 
 
 def _pipeline_case(kind: str) -> dict:
-    module = {"tied": _TiedPipelinedLM, "undeclared_tie": _TiedPipelinedLM, "mean": _MeanPipelinedLM}.get(kind, _PipelinedLM)()
+    module = {"tied": _TiedPipelinedLM, "mean": _MeanPipelinedLM}.get(kind, _PipelinedLM)()
     module.dp = dp = 2 if kind == "pp_dp" else 1
     ties = [("embed.weight", "head.weight")] if kind == "tied" else []
     strategy = nd.NDParallelStrategy(
@@ -373,7 +373,6 @@ def test_context_parallel_passes(kind):
     ("case", "world", "named"),
     [
         ((_cp_case, "local_positions"), 4, "model.pos.weight"),  # position embeddings read at the wrong rows
-        ((_pipeline_case, "undeclared_tie"), 2, "head.weight"),  # tied across stages, not in tied_parameters
     ],
 )
 def test_a_pipeline_or_context_parallel_trap_is_caught(case, world, named):

@@ -26,6 +26,7 @@ from lightning_ndclip.core.agree import AgreedError, raise_agreed
 from lightning_ndclip.core.loss import MicroBatchShare
 from lightning_ndclip.core.parallel.mesh import ParallelMeshes
 from lightning_ndclip.core.parallel.plan import ParallelPlan
+from lightning_ndclip.core.parallel.tensor_parallel import tied_parameters
 from lightning_ndclip.core.pipeline import (
     PipelineOptions,
     build_pipeline,
@@ -47,6 +48,30 @@ class _PipelineStages(nn.ModuleList):
         super().__init__(stages)
         self.indices = list(indices)
         self.units = list(units)
+
+
+def _check_ties(model: nn.Module, config: PipelineOptions, num_stages: int) -> None:
+    """Refuse a declared tie of parameters that are not one tensor in ``model`` (keeping them equal would
+    train another model), and a tie of ``model`` that the cut puts in several stages undeclared (each
+    stage would train its own copy)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for tie in config.tied_parameters:
+        if len({id(params[n]) for n in tie}) > 1:
+            raise ValueError(
+                f"PipelineOptions(tied_parameters) entry {list(tie)}: these are different tensors in {config.module}; "
+                "a declared tie keeps one tensor that several stages hold one parameter, it does not make one. Tie "
+                "them in the model (e.g. head.weight = embed.weight) or leave the entry out"
+            )
+    stage_units = stage_units_of(model_units(model), config.split_points, num_stages)
+    declared = {n for tie in config.tied_parameters for n in tie}
+    for tie in tied_parameters(model):
+        stages = {s for n in tie for s, units in enumerate(stage_units) if any(n.startswith(f"{u}.") for u in units)}
+        if len(stages) > 1 and not declared.intersection(tie):
+            raise ValueError(
+                f"{list(tie)} are one tensor in {config.module}, and split_points {list(config.split_points)} put them "
+                f"in stages {sorted(stages)}: each stage would train its own copy. Declare the tie: "
+                f"PipelineOptions(tied_parameters=[{tuple(tie)!r}])"
+            )
 
 
 class PipelineRunner:
@@ -78,9 +103,10 @@ class PipelineRunner:
             raise RuntimeError("the pipeline is not set up yet")
         return self.meshes
 
-    def check(self, module: pl.LightningModule, plan: ParallelPlan) -> None:
+    def check(self, module: pl.LightningModule, plan: ParallelPlan, pp: int) -> None:
         """Before any collective: the pipeline arguments and ``module`` fit one of the two ways (the
-        strategy splits ``config.module``, or the module's ``configure_model`` builds the stages)."""
+        strategy splits ``config.module`` into ``pp`` x ``stages_per_rank`` stages, or the module's
+        ``configure_model`` builds the stages), and the declared ties are the model's."""
         config = self.config
         if is_overridden("configure_model", module):
             if config.split_points or config.tied_parameters or plan:
@@ -100,6 +126,7 @@ class PipelineRunner:
                         f"PipelineOptions(tied_parameters) entry {list(tie)}: {unknown} is not a parameter name of "
                         f"{config.module} (names are relative to it, e.g. {sorted(names)[:3]})"
                     )
+            _check_ties(model, config, pp * config.stages_per_rank)
 
     def setup(self, module: pl.LightningModule, meshes: ParallelMeshes, plan: ParallelPlan) -> None:
         """Cut ``module``'s ``config.module`` into this rank's stages, parallelize each (``plan``: the
@@ -250,6 +277,7 @@ class PipelineRunner:
 
     def run(self, inputs: Any, target: Any, training: bool) -> torch.Tensor:
         """One batch through the schedule; the loss, float64, broadcast from the last stage."""
+        self._check_rows(inputs, target)
         pp_mesh = self._meshes["pp"]
         rank, size = pp_mesh.get_local_rank(), pp_mesh.size()
         run = self.schedule.step if training else self.schedule.eval
@@ -289,6 +317,20 @@ class PipelineRunner:
         if result[:, 1].any():  # one host read per batch: every rank raises, none is left waiting
             self._raise_loss_error()
         return result[pipeline, 0]
+
+    def _check_rows(self, inputs: Any, target: Any) -> None:
+        """Refuse a batch the schedule cannot split into ``microbatches`` equal micro-batches; every rank
+        of a pipeline gets the same batch, and the sampler gives every data rank as many rows, so all
+        raise alike (the schedule failed on some stages only, with torch's shape errors)."""
+        rows = {t.shape[0] for t in tree_leaves((inputs, target)) if isinstance(t, torch.Tensor) and t.dim()}
+        for n in sorted(rows):
+            if n % self.microbatches:
+                raise ValueError(
+                    f"run_pipeline: a batch of {n} rows does not split into PipelineOptions(microbatches="
+                    f"{self.microbatches}) equal micro-batches. Use a batch size that {self.microbatches} divides, "
+                    "and DataLoader(drop_last=True) unless the dataset's size is a multiple of the batch size "
+                    "times the data-parallel size (an epoch's last batch is shorter otherwise)"
+                )
 
     def _raise_loss_error(self) -> None:
         error, self._loss_error = self._loss_error, None

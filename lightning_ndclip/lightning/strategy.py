@@ -384,7 +384,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         module = self._module
         if self._dims.pp > 1:
             self._pipeline = PipelineRunner(self._pp, self._microbatches, self.root_device)
-            self._pipeline.check(module, self._plan)
+            self._pipeline.check(module, self._plan, self._dims.pp)
         elif self._plan and is_overridden("configure_model", module):
             raise ValueError(
                 f"{type(module).__name__} overrides configure_model() and NDParallelStrategy was given a "
