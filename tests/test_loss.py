@@ -119,6 +119,9 @@ def _edge_case() -> dict:
     scaled = count.normalize(loss_sum)
     scaled.backward()
     nobody = sync_token_count(torch.tensor(0))
+    # a rank without micro-batches (an empty list; it raised before the all-reduce, leaving the other waiting),
+    # and a count given as a Python int
+    uneven = sync_token_count([] if rank == 0 else [3, torch.tensor(2)])
     empty_loss = nobody.normalize(torch.tensor(0.0, requires_grad=True))
     empty_loss.backward()
     # one-token sample, a padding-only row, a micro-batch with no sample at all
@@ -126,6 +129,7 @@ def _edge_case() -> dict:
     w = sync_sample_weights(ids, [1, 0], dp_group=None)
     return {
         "count": int(count.total),
+        "uneven": int(uneven.total),
         "scaled": float(scaled),
         "grad_finite": bool(torch.isfinite(loss_sum.grad)),
         "empty": bool(nobody.empty),
@@ -138,6 +142,7 @@ def _edge_case() -> dict:
 def test_edge_cases_give_zero_not_nan():
     r0, r1 = run_on_ranks(2, _edge_case)
     assert r0["count"] == r1["count"] == 4
+    assert r0["uneven"] == r1["uneven"] == 5
     assert r0["scaled"] == 0.0 and r1["scaled"] == 0.75 and r0["grad_finite"]
     assert r0["empty"] and r0["empty_loss"] == 0.0
     assert r0["samples"] == 2  # one one-token sample on each of the 2 ranks

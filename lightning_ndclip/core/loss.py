@@ -53,6 +53,13 @@ def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
     return t
 
 
+def _no_count(group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The count of a rank without micro-batches: zero, on the device of its group's collectives, so
+    that it still joins the all-reduce the other ranks wait in."""
+    gloo = not (dist.is_available() and dist.is_initialized()) or dist.get_backend(group) == "gloo"
+    return torch.zeros((), dtype=torch.int64, device=None if gloo else torch.accelerator.current_accelerator())
+
+
 def count_valid_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """The number of labels that are not ``ignore_index``, a 0-dim int64 device tensor."""
     return (labels != ignore_index).sum()
@@ -92,7 +99,7 @@ def _invalid_count_message(counts: Sequence[torch.Tensor]) -> str | None:
 
 
 def sync_token_count(
-    local_counts: torch.Tensor | Sequence[torch.Tensor],
+    local_counts: torch.Tensor | int | Sequence[torch.Tensor | int],
     group: dist.ProcessGroup | None = None,
     *,
     problem: str | None = None,
@@ -109,13 +116,14 @@ def sync_token_count(
 
     Args:
         local_counts: the count of each micro-batch of the optimizer step on this rank (or their
-            sum), e.g. from :func:`count_valid_tokens`.
+            sum), e.g. from :func:`count_valid_tokens`; an empty sequence for a rank without
+            micro-batches counts 0.
         group: every rank whose tokens enter the mean: the data-parallel *and* context-parallel
             ranks (not tp or pp peers, which see the same tokens). Default: the world.
         problem: why this rank has no usable counts (its ``local_counts`` are then placeholders).
     """
-    counts = [local_counts] if isinstance(local_counts, torch.Tensor) else list(local_counts)
-    counts = [torch.as_tensor(c).detach() for c in counts]
+    counts = [local_counts] if isinstance(local_counts, (torch.Tensor, int)) else list(local_counts)
+    counts = [torch.as_tensor(c).detach() for c in counts] or [_no_count(group)]
     invalid = _invalid_counts(counts) + int(problem is not None)
     total = torch.stack([c.to(torch.int64).sum() for c in counts]).sum()
     total, invalid = _all_reduce(torch.stack([total, invalid.to(total.device)]), group).unbind()

@@ -277,7 +277,6 @@ class PipelineRunner:
 
     def run(self, inputs: Any, target: Any, training: bool) -> torch.Tensor:
         """One batch through the schedule; the loss, float64, broadcast from the last stage."""
-        self._check_rows(inputs, target)
         pp_mesh = self._meshes["pp"]
         rank, size = pp_mesh.get_local_rank(), pp_mesh.size()
         run = self.schedule.step if training else self.schedule.eval
@@ -294,6 +293,7 @@ class PipelineRunner:
                 )
             if rank == size - 1:
                 self._target, target = target, torch.arange(target.shape[0], device=target.device)
+        self._check_rows(inputs, target)
         losses: list[torch.Tensor] = []
         if rank == 0:
             run(inputs, target=target if rank == size - 1 else None, losses=losses)
