@@ -122,8 +122,8 @@ def sync_token_count(
             ranks (not tp or pp peers, which see the same tokens). Default: the world.
         problem: why this rank has no usable counts (its ``local_counts`` are then placeholders).
     """
-    counts = [local_counts] if isinstance(local_counts, (torch.Tensor, int)) else list(local_counts)
-    counts = [torch.as_tensor(c).detach() for c in counts] or [_no_count(group)]
+    given = [local_counts] if isinstance(local_counts, (torch.Tensor, int)) else list(local_counts)
+    counts = [torch.as_tensor(c).detach() for c in given] or [_no_count(group)]
     invalid = _invalid_counts(counts) + int(problem is not None)
     total = torch.stack([c.to(torch.int64).sum() for c in counts]).sum()
     total, invalid = _all_reduce(torch.stack([total, invalid.to(total.device)]), group).unbind()
