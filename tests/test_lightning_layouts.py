@@ -136,13 +136,13 @@ class NoForwardLM(NanoLM):
         return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
-def _no_forward_case() -> str:
+def _refused_case(module: str) -> str:
     use_existing_process_group()
     strategy = nd.NDParallelStrategy(dp_shard=2, plan=nd.ParallelPlan(fsdp_units=[Block]), summary=False)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     try:
-        trainer.fit(NoForwardLM("list-tied"))
+        trainer.fit(NoForwardLM("list-tied") if module == "no_forward" else IteratedSequentialLM())
     except ValueError as error:
         return str(error)
     return "trained"
@@ -150,7 +150,7 @@ def _no_forward_case() -> str:
 
 @pytest.mark.faults
 def test_tied_children_without_a_module_forward_are_refused_naming_the_fix():
-    for message in run_on_ranks(2, _no_forward_case):
+    for message in run_on_ranks(2, _refused_case, "no_forward"):
         assert "children share parameters" in message and "define forward and call self(...)" in message, message
 
 
@@ -169,24 +169,12 @@ class IteratedSequentialLM(NanoLM):
         return h
 
 
-def _iterated_sequential_case() -> str:
-    use_existing_process_group()
-    strategy = nd.NDParallelStrategy(dp_shard=2, plan=nd.ParallelPlan(fsdp_units=[Block]), summary=False)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
-    try:
-        trainer.fit(IteratedSequentialLM())
-    except ValueError as error:
-        return str(error)
-    return "trained"
-
-
 @pytest.mark.faults
 def test_an_iterated_sequential_root_unit_is_an_error_naming_the_fix():
     """The nn.Sequential is the root unit (the child training_step calls): iterated, its forward never gathers the
     embedding's and the head's weights. It was PyTorch's 'aten.embedding.default got mixed torch.Tensor and
     DTensor'."""
-    for message in run_on_ranks(2, _iterated_sequential_case):
+    for message in run_on_ranks(2, _refused_case, "iterated_sequential"):
         assert "layers.0 (Embedding) was called outside the forward of layers, an nn.Sequential" in message, message
         assert "Call it (layers(x))" in message
 
