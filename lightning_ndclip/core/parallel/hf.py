@@ -152,8 +152,7 @@ def transformers_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
 def _check_heads(name: str, model: nn.Module, tp: int) -> None:
     """Refuse a head count that ``tp`` does not divide: the plan's column split would cut heads apart,
     which transformers' attention reports as a shape error deep in the first forward."""
-    config = getattr(model, "config", None)
-    text = getattr(config, "get_text_config", lambda: config)()
+    text = _text_config(model)
     for field in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(text, field, None)
         if isinstance(heads, int) and heads % tp:
