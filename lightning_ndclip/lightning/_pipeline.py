@@ -65,13 +65,18 @@ def _check_ties(model: nn.Module, config: PipelineOptions, num_stages: int) -> N
     stage_units = stage_units_of(model_units(model), config.split_points, num_stages)
     declared = {n for tie in config.tied_parameters for n in tie}
     for tie in tied_parameters(model):
-        stages = {s for n in tie for s, units in enumerate(stage_units) if any(n.startswith(f"{u}.") for u in units)}
+        stages = _stages_holding(tie, stage_units)
         if len(stages) > 1 and not declared.intersection(tie):
             raise ValueError(
                 f"{list(tie)} are one tensor in {config.module}, and split_points {list(config.split_points)} put them "
                 f"in stages {sorted(stages)}: each stage would train its own copy. Declare the tie: "
                 f"PipelineOptions(tied_parameters=[{tuple(tie)!r}])"
             )
+
+
+def _stages_holding(names: Sequence[str], stage_units: list[list[str]]) -> set[int]:
+    """The stages (indices into ``stage_units``, each stage's units) whose units hold a parameter of ``names``."""
+    return {s for s, units in enumerate(stage_units) for n in names if any(n.startswith(f"{u}.") for u in units)}
 
 
 class PipelineRunner:
@@ -192,7 +197,7 @@ class PipelineRunner:
         pp column) whose stages hold a copy. Collective: every rank creates every column's group."""
         pp, config = self.pp, self.config
         per_stage = stage_units_of(units, config.split_points, pp * config.stages_per_rank)
-        owners = sorted({i % pp for i, keep in enumerate(per_stage) if any(n.rsplit(".", 1)[0] in keep for n in names)})
+        owners = sorted({s % pp for s in _stages_holding(names, per_stage)})
         if len(owners) < 2:
             raise ValueError(f"PipelineOptions(tied_parameters) {list(names)}: held by fewer than two pipeline ranks")
         columns = self._meshes.world.mesh.reshape(pp, -1)
