@@ -197,7 +197,8 @@ class VerifyOneDevice(Callback):
         stand_in = _OneProcessStrategy(trainer.strategy, self._one_rank)
         normalized = stand_in.loss_normalization is not None
         micro_batches = [b for batches in data for b in batches]
-        plain, dtype, window_loss = _replay(self._plain, micro_batches, _OneProcess(trainer, stand_in))
+        one_process = _OneProcess(trainer, stand_in)
+        plain, dtype, window_loss = _replay(self._plain, micro_batches, one_process)
         reference = {_WRAPPERS.sub("", n): p.grad for n, p in plain.named_parameters(remove_duplicate=False)}
         k = len(data[0])
         pipeline = _pipeline_options(trainer)
@@ -213,7 +214,7 @@ class VerifyOneDevice(Callback):
         bad = [r for r in rows if r[1] > rtol]
         loss_err, norm_err = _relative(parallel_loss, ref_loss), _relative(norm, ref_norm)
         window = (
-            _WindowCheck.of(self._plain, micro_batches, _OneProcess(trainer, stand_in), dtype, reference, ref_loss, ref_norm)
+            _WindowCheck.of(self._plain, micro_batches, one_process, dtype, reference, ref_loss, ref_norm)
             if self.whole_window and stand_in.loss_reduction == "mean" and stand_in.loss_normalization != "sample_mean"
             and callable(getattr(plain, "count_tokens", None))
             else None
@@ -512,7 +513,7 @@ class _WindowCheck:
         batches: list[tuple[int, Any]],
         trainer: _OneProcess,
         dtype: torch.dtype,
-        reference: Mapping[str, torch.Tensor | None],
+        reference: dict[str, torch.Tensor | None],
         ref_loss: float,
         ref_norm: float,
     ) -> _WindowCheck:
@@ -533,7 +534,7 @@ class _WindowCheck:
             failed = f"{type(error).__name__}: {error}"
             return _WindowCheck(skipped=f"not checked: training_step failed on the whole window ({failed})")
         grads = {_WRAPPERS.sub("", n): p.grad for n, p in model.named_parameters(remove_duplicate=False)}
-        rows = _rows(grads, dict(reference), [], [], ref_norm)
+        rows = _rows(grads, reference, [], [], ref_norm)
         value = float(loss.detach())
         return _WindowCheck(value, _relative(value, ref_loss), rows[0] if rows else None)
 
