@@ -126,13 +126,17 @@ class _SequentialCalled:
 
     def __init__(self, sequential: nn.Sequential, name: str) -> None:
         self.active, self.name = False, name
-        self.members: dict[nn.Module, str] = {}
+        self.members = {
+            member: f"{name}.{child}"
+            for child, member in sequential.named_children()
+            if not isinstance(member, FSDPModule) and any(True for _ in member.parameters())
+        }
+        if not self.members:  # every member gathers its own weights: iterating is fine, and no hook runs
+            return
         sequential.register_forward_pre_hook(self.enter)
         sequential.register_forward_hook(self.leave)
-        for child, member in sequential.named_children():
-            if not isinstance(member, FSDPModule) and any(True for _ in member.parameters()):
-                member.register_forward_pre_hook(self.check)
-                self.members[member] = f"{name}.{child}"
+        for member in self.members:
+            member.register_forward_pre_hook(self.check)
 
     def enter(self, *_: Any) -> None:
         self.active = True
