@@ -31,8 +31,9 @@ from lightning_ndclip.core.norm.clip_grad import (
     grad_norms,
 )
 from lightning_ndclip.core.parallel.coverage import check_data_parallel_reduction
+from lightning_ndclip.core.parallel.expert_parallel import ExpertParallel
 from lightning_ndclip.core.parallel.expert_tensor_parallel import PackedExpertsParallel
-from lightning_ndclip.core.parallel.hf import HF_STYLES, LatentKeyParallel, hf_tp_plan
+from lightning_ndclip.core.parallel.hf import HF_STYLES, LatentKeyParallel, hf_ep_plan, hf_tp_plan
 from lightning_ndclip.core.parallel.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from lightning_ndclip.core.parallel.mesh import LIGHTNING_DIM_NAMES, MESH_DIM_NAMES, ParallelDims, ParallelMeshes
 from lightning_ndclip.core.parallel.plan import ParallelPlan, parallelize
@@ -81,6 +82,7 @@ __all__ = [
     "Experts",
     "GlobalMeanLoss",
     "GlobalNormClip",
+    "ExpertParallel",
     "GradNorms",
     "LatentKeyParallel",
     "ModuleRow",
@@ -108,6 +110,7 @@ __all__ = [
     "count_valid_tokens",
     "get_total_norm",
     "grad_norms",
+    "hf_ep_plan",
     "hf_tp_plan",
     "load_hf_checkpoint",
     "loss_share",

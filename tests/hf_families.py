@@ -39,11 +39,31 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 MOE = ["Mixtral", "Qwen3-MoE", "DeepSeek-V2"]
 """The families whose experts transformers packs into 3-D weights (per-expert tensors on disk)."""
 
+_LATENT = {"q_lora_rank": 8, "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4}
+EXPERT_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # the MoE families trained with their experts over ep (test_hf_experts.py): 4 experts, top-2
+    **{name: FAMILIES[name] for name in MOE},
+    "Qwen2-MoE": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {  # a gated shared expert beside the routed ones
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8}),
+    "OLMoE": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "DeepSeek-V3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {  # grouped routing, a dense first layer
+        "num_key_value_heads": 4, **_LATENT, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+        "first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 2, "topk_group": 1}),
+    "GPT-OSS": ("GptOssConfig", "GptOssForCausalLM", {  # expert biases, attention sinks, sliding windows
+        "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 4, "sliding_window": 4}),
+    "GLM-4-MoE": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "moe_intermediate_size": 8, "head_dim": 4, "n_group": 1, "topk_group": 1}),
+    "ERNIE-4.5-MoE": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", {
+        "moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 1, "moe_intermediate_size": 8,
+        "moe_layer_start_index": 1, "head_dim": 4}),
+}  # fmt: skip
+
 
 def tiny_causal_lm(family: str) -> nn.Module:
     import transformers
 
-    config_class, model_class, extra = FAMILIES[family]
+    config_class, model_class, extra = {**EXPERT_FAMILIES, **FAMILIES}[family]
     arguments = {**COMMON, **extra}
     arguments = {k: v for k, v in arguments.items() if v is not None}
     config = getattr(transformers, config_class)(**arguments)

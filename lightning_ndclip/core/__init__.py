@@ -7,11 +7,12 @@ checks it):
 
 - :mod:`~lightning_ndclip.core.norm`: the exact global norm and clipping; imports ``parallel.mesh`` and ``agree``;
 - :mod:`~lightning_ndclip.core.loss`: the exact loss normalization (counts, weights, shares); imports ``agree``;
-- :mod:`~lightning_ndclip.core.parallel`: the mesh and the parallel wrapping (tensor parallel, FSDP2
+- :mod:`~lightning_ndclip.core.parallel`: the mesh and the parallel wrapping (tensor and expert parallel, FSDP2
   plans, Hugging Face plans and checkpoints) and its checks (coverage, replicas, summary, SUM
   reductions); imports nothing else of the core;
 - :mod:`~lightning_ndclip.core.context`: context parallelism (sequence shards, ring attention); imports nothing else;
 - :mod:`~lightning_ndclip.core.pipeline`: pipeline stages and schedules; imports nothing else;
-- :mod:`~lightning_ndclip.core.experts`: mixture of experts and expert parallelism; imports nothing else;
+- :mod:`~lightning_ndclip.core.experts`: a mixture-of-experts layer; imports ``parallel.expert_parallel`` (the token
+  exchange of expert parallelism, shared with packed-experts modules);
 - :mod:`~lightning_ndclip.core.agree`: errors raised alike on every rank of a group; imports nothing else.
 """

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from lightning_ndclip._compat import all_to_all_autograd
+from lightning_ndclip.core.parallel.expert_parallel import TokenRoute
 
 __all__ = ["Experts", "MoE", "shard_experts"]
 
@@ -77,30 +77,16 @@ class MoE(nn.Module):
         if self.ep_group is None or dist.get_world_size(self.ep_group) == 1:
             y = self.experts(x[token], expert, 0)
         else:
-            y = self._dispatch_and_run(x[token], expert)
+            y = self._dispatch_and_run(x[token], expert, self.ep_group)
         out = x.new_zeros(x.shape).index_add(0, token, y * gates.reshape(-1, 1))
         return out.reshape(shape)
 
-    def _dispatch_and_run(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    def _dispatch_and_run(self, rows: torch.Tensor, expert: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         """Send each row to its expert's owner, run the local experts, send the results back."""
-        group = self.ep_group
-        ep, rank = dist.get_world_size(group), dist.get_rank(group)
-        per_rank = self.num_experts // ep
-        order = torch.argsort(expert, stable=True)  # grouped by owner: experts are contiguous per rank
-        send_counts = torch.bincount(expert // per_rank, minlength=ep)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=group)
-        send, recv = send_counts.tolist(), recv_counts.tolist()  # split sizes are host ints
-        received_expert = expert.new_empty(sum(recv))
-        dist.all_to_all_single(received_expert, expert[order], recv, send, group=group)
-        received = _exchange(rows[order], recv, send, group)
-        back = _exchange(self.experts(received, received_expert, rank * per_rank), send, recv, group)
-        return back.new_zeros(back.shape).index_copy(0, order, back)
-
-
-def _exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """Differentiable all-to-all of rows (the backward sends gradients back the same way)."""
-    return all_to_all_autograd(t.contiguous(), out_splits, in_splits, group)
+        per_rank = self.num_experts // dist.get_world_size(group)
+        route = TokenRoute(expert, per_rank, group)
+        first = dist.get_rank(group) * per_rank
+        return route.receive(self.experts(route.send(rows), route.received_expert, first))
 
 
 def shard_experts(moe: MoE, ep_mesh: DeviceMesh) -> MoE:

@@ -45,7 +45,7 @@ from lightning_ndclip.core.parallel.coverage import check_data_parallel_reductio
 from lightning_ndclip.core.parallel.hf import transformers_models
 from lightning_ndclip.core.parallel.hf_checkpoint import load_hf_checkpoint
 from lightning_ndclip.core.parallel.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError, check_sizes
-from lightning_ndclip.core.parallel.plan import ParallelPlan, shared_parameters
+from lightning_ndclip.core.parallel.plan import ParallelPlan, check_plan_sizes, shared_parameters
 from lightning_ndclip.core.parallel.reduce import use_sum_reduction
 from lightning_ndclip.core.parallel.replicas import broadcast_replicas_, check_replica_gradients
 from lightning_ndclip.core.parallel.summary import ParallelSummary, summarize
@@ -134,12 +134,11 @@ def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
 
 
 def _check_plan_and_pipeline(
-    plan: ParallelPlan, pipeline: PipelineOptions, tp: int, pp: int, hf_checkpoint: str | os.PathLike[str] | None
+    plan: ParallelPlan, pipeline: PipelineOptions, tp: int, pp: int, ep: int, hf_checkpoint: str | os.PathLike[str] | None
 ) -> None:
-    """The arguments that must agree with the sizes: a tp plan needs tp > 1; the split points make
-    ``pp x stages_per_rank`` stages; a Hugging Face checkpoint loads into a whole model (pp = 1)."""
-    if plan.tp_plan and tp == 1:
-        raise ValueError("NDParallelStrategy(plan=ParallelPlan(tp_plan=...)) needs tp > 1")
+    """The arguments that must agree with the sizes: a tp plan needs tp > 1 (:func:`check_plan_sizes`); the
+    split points make ``pp x stages_per_rank`` stages; a Hugging Face checkpoint loads into a whole model (pp = 1)."""
+    check_plan_sizes(plan.tp_plan, tp, ep)
     stages = pp * pipeline.stages_per_rank
     if pp > 1 and pipeline.split_points and len(pipeline.split_points) != stages - 1:
         raise ValueError(
@@ -279,7 +278,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         _check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
         self._plan = plan or ParallelPlan()
         self._pp = pipeline or PipelineOptions()
-        _check_plan_and_pipeline(self._plan, self._pp, tp=tp, pp=pp, hf_checkpoint=hf_checkpoint)
+        _check_plan_and_pipeline(self._plan, self._pp, tp=tp, pp=pp, ep=ep, hf_checkpoint=hf_checkpoint)
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,

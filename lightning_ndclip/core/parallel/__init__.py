@@ -3,8 +3,9 @@
 - :mod:`~lightning_ndclip.core.parallel.mesh`: the parallel sizes and the device mesh;
 - :mod:`~lightning_ndclip.core.parallel.plan`: ``parallelize`` / ``ParallelPlan`` (tensor parallel,
   activation checkpointing, FSDP2 from arguments);
-- :mod:`~lightning_ndclip.core.parallel.tensor_parallel`, :mod:`~lightning_ndclip.core.parallel.expert_tensor_parallel`:
-  tensor-parallel styles that keep ties, and the packed-experts style;
+- :mod:`~lightning_ndclip.core.parallel.tensor_parallel`, :mod:`~lightning_ndclip.core.parallel.expert_tensor_parallel`,
+  :mod:`~lightning_ndclip.core.parallel.expert_parallel`: tensor-parallel styles that keep ties, the packed
+  experts split over ``tp``, and whole experts over ``ep`` (the token exchange);
 - :mod:`~lightning_ndclip.core.parallel.hf`, :mod:`~lightning_ndclip.core.parallel.hf_checkpoint`:
   ``transformers``' own plans, and its checkpoints loaded into shards and saved from them;
 - :mod:`~lightning_ndclip.core.parallel.coverage`, :mod:`~lightning_ndclip.core.parallel.replicas`,

@@ -48,10 +48,11 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from lightning_ndclip import _compat
+from lightning_ndclip.core.parallel.expert_parallel import ExpertParallel
 from lightning_ndclip.core.parallel.expert_tensor_parallel import PackedExpertsParallel
 from lightning_ndclip.core.parallel.tensor_parallel import gradient_summed_over, matches_plan_key
 
-__all__ = ["HF_STYLES", "LatentKeyParallel", "hf_tp_plan"]
+__all__ = ["HF_STYLES", "LatentKeyParallel", "hf_ep_plan", "hf_tp_plan"]
 
 
 def _gathered_colwise() -> ParallelStyle:
@@ -264,5 +265,55 @@ def hf_tp_plan(module: nn.Module, tp: int | None = None) -> dict[str, ParallelSt
         raise ValueError(
             f"tp_plan='auto' found no Hugging Face transformers model with a tensor-parallel plan in "
             f"{type(module).__name__} (transformers models found: {found}); give tp_plan as {{module name: ParallelStyle}}"
+        )
+    return plan
+
+
+_EP_DISPATCH, _EP_WEIGHT = "ep_dispatch_experts", "grouped_gemm"
+"""The styles of ``transformers``' expert-parallel plans (``model.ep_plan``) for a packed-experts module and for
+its expert weights."""
+
+
+def hf_ep_plan(module: nn.Module) -> dict[str, ParallelStyle]:
+    """The expert-parallel plan of the ``transformers`` models in ``module``, as ``{experts module pattern:
+    ExpertParallel}`` (names relative to ``module``), from each model's own ``ep_plan``: every
+    ``ep_dispatch_experts`` module gets :class:`~lightning_ndclip.core.parallel.expert_parallel.ExpertParallel`
+    over the weights its ``grouped_gemm`` entries name (whole experts per ``ep`` rank, tokens by all-to-all).
+
+    Entries for dense modules (``colwise`` / ``rowwise`` MLPs: ``transformers`` splits those over its ep ranks)
+    are not applied: here dense weights are sharded by FSDP2 over every data rank, and split over ``tp`` by the
+    tensor-parallel plan. Numerically the same function either way.
+
+    Raises:
+        ImportError: ``transformers`` is not installed.
+        ValueError: no ``transformers`` model in ``module`` has an expert-parallel plan (a dense model, or a
+            release without ``model.ep_plan``); or an entry inside an experts module is no ``grouped_gemm`` weight
+            (a weight all experts share, such as a norm, would get a partial gradient on each ``ep`` rank), or has
+            a style without a PyTorch equivalent (each naming the entry).
+    """
+    plan: dict[str, ParallelStyle] = {}
+    models = transformers_models(module)
+    for prefix, model in models:
+        entries = dict(getattr(model, "ep_plan", None) or {})
+        dispatched = [key for key, style in entries.items() if style == _EP_DISPATCH]
+        for key, style in entries.items():
+            holder = next((d for d in dispatched if key.startswith(f"{d}.")), None)
+            if holder is None and style not in (_EP_DISPATCH, _EP_WEIGHT):
+                continue  # a dense module: FSDP2 and the tp plan place it
+            if style != _EP_DISPATCH and (holder is None or style != _EP_WEIGHT):
+                raise ValueError(
+                    f"{type(model).__name__}.ep_plan[{key!r}] = {style!r}: expert parallelism here maps "
+                    f"{_EP_DISPATCH!r} modules and the {_EP_WEIGHT!r} expert weights inside them only; train "
+                    "this model with ep=1"
+                )
+        for key in dispatched:
+            weights = [k[len(key) + 1 :] for k, style in entries.items() if style == _EP_WEIGHT and k.startswith(f"{key}.")]
+            plan[f"{prefix}.{key}" if prefix else key] = ExpertParallel(weights=weights or None)
+    if not plan:
+        found = ", ".join(f"{name or '(the module)'}: {type(m).__name__}" for name, m in models) or "none"
+        raise ValueError(
+            f"ep > 1 with tp_plan='auto' found no Hugging Face transformers model with an expert-parallel plan "
+            f"(model.ep_plan, with {_EP_DISPATCH!r} modules) in {type(module).__name__} (transformers models found: "
+            f"{found}); train with ep=1, or parallelize its experts yourself in configure_model"
         )
     return plan
