@@ -159,6 +159,9 @@ def _reference(family: str) -> dict:
     return {"norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
+_WRAPPED = "_checkpoint_wrapped_module."
+
+
 def _fit_case(family: str, ep: int, recompute: bool = False) -> dict:
     use_existing_process_group()
     recorder = Recorder()
@@ -175,10 +178,11 @@ def _fit_case(family: str, ep: int, recompute: bool = False) -> dict:
     experts = {n: p for n, p in module.lm.named_parameters() if ".experts." in n}
     return {
         "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m],
-        "params": {n.replace("_checkpoint_wrapped_module.", ""): p.detach().full_tensor() for n, p in module.lm.named_parameters()},
+        "params": {n.replace(_WRAPPED, ""): p.detach().full_tensor() for n, p in module.lm.named_parameters()},
         "experts_here": {n: p.to_local().shape[0] for n, p in experts.items()},
         "experts_meshes": {tuple(p.device_mesh.mesh_dim_names) for p in experts.values()},
         "verified": verify.report,
+        "summary": [n for n in nd.summarize(module, trainer.strategy.meshes).notes if n.startswith("Experts")],
     }
 
 
@@ -192,6 +196,7 @@ def test_a_moe_family_with_its_experts_over_ep_equals_one_device(family):
     assert result["experts_meshes"] == {("edp", "ep")}, result["experts_meshes"]  # whole experts over ep, FSDP over edp
     assert result["experts_here"] and set(result["experts_here"].values()) == {1}  # 4 experts / ep=2 / edp=2
     assert "verdict: exact" in result["verified"], result["verified"]
+    assert len(result["summary"]) == 1 and "each ep rank holds 2 whole experts of each (ep=2)" in result["summary"][0]
     torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(reference["norms"]), rtol=1e-5, atol=0)
     assert result["params"].keys() == reference["params"].keys()
     for name, expected in reference["params"].items():
@@ -204,6 +209,9 @@ def test_one_expert_per_rank_recomputed_in_backward_equals_one_device():
     reference = _reference("Mixtral")
     result = run_on_ranks(4, _fit_case, "Mixtral", 4, True)[0]
     assert set(result["experts_here"].values()) == {1}
+    assert result["summary"] == [
+        "Experts: 2 modules of 4 experts; each ep rank holds 1 whole experts of each (ep=4), FSDP2-sharded over edp=1"
+    ]
     torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(reference["norms"]), rtol=1e-5, atol=0)
     for name, expected in reference["params"].items():
         torch.testing.assert_close(result["params"][name].double(), expected, rtol=1e-5, atol=1e-6, msg=name)

@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers`` models' own tensor-parallel plans, as PyTorch ``ParallelStyle``\\ s.
+"""Hugging Face ``transformers`` models' own tensor- and expert-parallel plans, as PyTorch ``ParallelStyle``\\ s.
 
 A ``transformers`` model ships its plan as strings: ``model.tp_plan``, e.g.
 ``{"model.layers.*.self_attn.q_proj": "colwise", ..., "lm_head": "colwise_gather_output"}``.
@@ -28,6 +28,10 @@ and ``rowwise`` on its two weights)        every expert split along its intermed
                                            (DeepSeek-V2's multi-head latent attention)
 ``replicate``                              none: left whole, as a module the plan does not name
 ========================================= ====================================================
+
+:func:`hf_ep_plan` reads ``model.ep_plan`` the same way, for ``ep > 1``: an ``ep_dispatch_experts`` module (with
+its ``grouped_gemm`` weights) becomes :class:`~lightning_ndclip.core.parallel.expert_parallel.ExpertParallel`,
+whole experts per ``ep`` rank.
 
 An entry for modules the model does not have (the dense MLP of a model whose layers are all sparse)
 is skipped. Any other style (``sequence_parallel``, ``ep_router``, ...) is a ``ValueError`` naming

@@ -16,6 +16,9 @@ the strategy's declarative plan. Per row:
 * **Stage**: the pipeline stage (``pp > 1``);
 * **Bytes/rank**: parameter bytes held by the first rank of the row's stage.
 
+A note line counts the experts modules sharded over ``ep`` (holding parameters with an ``ep`` mesh dim) and
+the whole experts each ``ep`` rank holds of them.
+
 Nothing here changes the model. With ``pp > 1`` the rows of every stage are gathered over ``pp``
 (one ``all_gather_object``, collective on every rank); otherwise nothing communicates.
 """
@@ -300,4 +303,21 @@ def summarize(
         staged = sorted((row for part in gathered for row in part or ()), key=lambda r: r.stage or 0)
     sizes = dict(zip(MESH_DIM_NAMES, meshes.world.shape))
     dims = ParallelDims(meshes.world.size(), **sizes, ep=meshes["ep"].size())
-    return ParallelSummary(dims.describe(), rows + staged)
+    return ParallelSummary(dims.describe(), rows + staged, _experts_notes(module, meshes))
+
+
+def _experts_notes(module: nn.Module, meshes: ParallelMeshes) -> list[str]:
+    """``Experts: 2 modules of 8 experts; each ep rank holds 4 whole experts of each (ep=2), FSDP2-sharded over
+    edp=2``, or nothing when no parameter is sharded over ``ep``."""
+    modules: Counter[int] = Counter()
+    for child in module.modules():
+        for p in child.parameters(recurse=False):
+            if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ()):
+                modules[p.shape[0]] += 1
+                break
+    ep, edp = meshes["ep"].size(), meshes["edp"].size()
+    return [
+        f"Experts: {count} module{'s' * (count > 1)} of {experts} experts; each ep rank holds {experts // ep} whole "
+        f"experts of each (ep={ep}), FSDP2-sharded over edp={edp}"
+        for experts, count in sorted(modules.items())
+    ]
