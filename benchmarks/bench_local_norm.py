@@ -113,14 +113,16 @@ def write_markdown(data: dict, path: Path) -> None:
     lines = [
         f"# Local norm on {data['device']} (torch {data['torch']}), median ms of {data['reps']} calls",
         "",
-        "| dtype | params | tensors | GB | " + " | ".join(cols) + " | fp64/fp32 (ndclip) | ndclip fp64/floor |",
-        "|---" * (len(cols) + 6) + "|",
+        "| dtype | params | tensors | GB | " + " | ".join(cols)
+        + " | fp64/fp32 (ndclip) | ndclip fp64/floor | ndclip fp32: % of the floor's bandwidth |",
+        "|---" * (len(cols) + 7) + "|",
     ]
     for r in data["rows"]:
         lines.append(
             f"| {r['dtype'].replace('torch.', '')} | {r['params'] / 1e6:.0f}M | {r['tensors']} | {r['GB']:.2f} | "
             + " | ".join(f"{r[c]:.3f}" for c in cols)
-            + f" | {r['ndclip fp64'] / r['ndclip fp32']:.2f} | {r['ndclip fp64'] / r['floor']:.2f} |"
+            + f" | {r['ndclip fp64'] / r['ndclip fp32']:.2f} | {r['ndclip fp64'] / r['floor']:.2f}"
+            + f" | {100 * r['floor'] / r['ndclip fp32']:.0f} % |"
         )
     lines += [
         "",

@@ -59,11 +59,21 @@ def layout(
     return views, padding, counted
 
 
-def finder_at(revision: str) -> type:
-    """``RunFinder`` as ``lightning_ndclip/core/norm/_runs.py`` was at ``revision``."""
-    source = subprocess.run(
-        ["git", "show", f"{revision}:lightning_ndclip/core/norm/_runs.py"], cwd=ROOT, check=True, capture_output=True, text=True
-    ).stdout
+def finder_at(revision: str, source_file: Path | None = None) -> type | None:
+    """``RunFinder`` as ``lightning_ndclip/core/norm/_runs.py`` was at ``revision`` (read from
+    ``source_file`` when given, e.g. where the copy of the repository has no git history); ``None``
+    when neither git nor the file has it (the column is then left out)."""
+    if source_file is not None:
+        source = source_file.read_text()
+    else:
+        try:
+            source = subprocess.run(
+                ["git", "show", f"{revision}:lightning_ndclip/core/norm/_runs.py"],
+                cwd=ROOT, check=True, capture_output=True, text=True,
+            ).stdout  # fmt: skip
+        except (OSError, subprocess.CalledProcessError) as error:
+            print(f"warning: no _runs.py at {revision} ({error}); the 'at {revision}' column is left out")
+            return None
     path = Path(tempfile.mkdtemp()) / "runs_at_revision.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("runs_at_revision", path)
@@ -84,9 +94,12 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench_case(n: int, per_unit: int, counted_every: int, args: argparse.Namespace, old: type) -> dict:
+def bench_case(n: int, per_unit: int, counted_every: int, args: argparse.Namespace, old: type | None) -> dict:
     views, padding, counted = layout(n, per_unit, args.elems, counted_every, args.device)
-    finders = {"ndclip": (RunFinder(), padding), f"at {args.against}": (old(), padding), "no padding": (RunFinder(), None)}
+    finders = {"ndclip": (RunFinder(), padding)}
+    if old is not None:
+        finders[f"at {args.against}"] = (old(), padding)
+    finders["no padding"] = (RunFinder(), None)
     for finder, pad in finders.values():
         finder.runs(views, counted, pad)
     times: dict[str, list[float]] = {name: [] for name in [*finders, "uncoalesced"]}
@@ -162,22 +175,25 @@ def main() -> None:
     parser.add_argument("--tensors-per-unit", type=int, nargs="+", default=[8, 200])
     parser.add_argument("--elems", type=int, default=64, help="elements per view")
     parser.add_argument("--reps", type=int, default=24)
+    parser.add_argument("--against-file", type=Path, help="that revision's _runs.py as a file (no git needed)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda to time the kernels on a GPU")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    old = finder_at(args.against)
-    rows = [
-        bench_case(n, per_unit, counted_every, args, old)
-        for n in args.sizes
-        for per_unit in args.tensors_per_unit
-        for counted_every in (0, 4)
-    ]
+    old = finder_at(args.against, args.against_file)
     device = "CPU, 1 thread" if args.device == "cpu" else torch.cuda.get_device_name()
-    data = {"args": vars(args), "torch": torch.__version__, "device": device, "rows": rows}
-    stem = RESULTS / ("runs_1process" + ("" if args.device == "cpu" else "_" + device.lower().replace(" ", "_")))
-    RESULTS.mkdir(exist_ok=True)
-    Path(f"{stem}.json").write_text(json.dumps(data, indent=1))
-    write_markdown(data, Path(f"{stem}.md"))
+    data = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "torch": torch.__version__, "device": device, "rows": []}  # fmt: skip
+    stem = args.out / ("runs_1process" + ("" if args.device == "cpu" else "_" + device.lower().replace(" ", "_")))
+    args.out.mkdir(parents=True, exist_ok=True)
+    for n in args.sizes:
+        for per_unit in args.tensors_per_unit:
+            for counted_every in (0, 4):
+                data["rows"].append(bench_case(n, per_unit, counted_every, args, old))
+                print(f"N={n} views/unit={per_unit} uncounted={data['rows'][-1]['uncounted']}: "
+                      + ", ".join(f"{k} {v:.2f} ms" for k, v in data["rows"][-1]["ms"].items()), flush=True)  # fmt: skip
+                Path(f"{stem}.json").write_text(json.dumps(data, indent=1))  # after every case: a run cut
+                write_markdown(data, Path(f"{stem}.md"))  # short keeps the cases it finished
     write_plot(data, Path(f"{stem}.png"))
     print(Path(f"{stem}.md").read_text())
 
