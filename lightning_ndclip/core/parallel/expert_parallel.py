@@ -164,4 +164,6 @@ class _Dispatch:
         # every rank then runs the backward all-to-alls, and FSDP2 reduce-scatters the same gradients over edp
         output = output + sum((t.reshape(-1)[:0].sum() for t in [received, *local]), output.new_zeros(()))
         back = route.receive(output)
-        return back.new_zeros(shape.numel() // shape[-1], back.shape[-1]).index_add(0, token, back).reshape(shape)
+        combined = back.new_zeros(shape)  # returned as is, not a view: FSDP2's pre-backward hook must stay on it
+        combined.view(-1, shape[-1]).index_add_(0, token, back)
+        return combined
