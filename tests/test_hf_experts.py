@@ -221,3 +221,52 @@ def test_one_expert_per_rank_recomputed_in_backward_equals_one_device():
     torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(reference["norms"]), rtol=1e-5, atol=0)
     for name, expected in reference["params"].items():
         torch.testing.assert_close(result["params"][name].double(), expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _styles_in_transformers() -> dict[str, set[str]]:
+    """Every style the configurations of the installed transformers use, by plan (``tp`` / ``ep``)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import transformers.models
+
+    styles: dict[str, set[str]] = {"tp": set(), "ep": set()}
+    for info in pkgutil.iter_modules(transformers.models.__path__):
+        try:
+            module = importlib.import_module(f"transformers.models.{info.name}")
+        except Exception:  # a family whose optional dependencies are missing
+            continue
+        for name in [n for n in dir(module) if n.endswith("Config")]:  # configurations only: no modeling import
+            config = getattr(module, name, None)
+            if inspect.isclass(config):
+                for plan in ("tp", "ep"):
+                    styles[plan] |= set((getattr(config, f"base_model_{plan}_plan", None) or {}).values())
+    return styles
+
+
+def test_every_style_of_the_installed_transformers_plans_is_mapped_or_refused_naming_it():
+    """A sweep of the plans every configuration class of the installed transformers ships: each style is mapped
+    (tp: HF_STYLES, ``replicate``, the experts' weight styles; ep: the experts module and its weights, or a tp style
+    on a dense module) or refused, naming the style and the entry."""
+    from lightning_ndclip.core.parallel import hf
+
+    styles = _styles_in_transformers()
+    expert_weights = set(hf._EXPERT_WEIGHTS)
+    for style in sorted(styles["tp"] - set(hf.HF_STYLES) - hf._LEFT_WHOLE - expert_weights):
+        model = tiny_causal_lm("Llama")
+        model.tp_plan = {"model.layers.*.mlp.gate_proj": style}
+        with pytest.raises(ValueError, match=rf"tp_plan\['model.layers.\*.mlp.gate_proj'\] = '{style}'"):
+            nd.hf_tp_plan(model)
+    for style in sorted(styles["ep"] - {hf._EP_DISPATCH, hf._EP_WEIGHT}):
+        model = tiny_causal_lm("Mixtral")
+        model.ep_plan = {**model.ep_plan, "model.layers.*.self_attn.q_proj": style}
+        if style in hf.HF_STYLES or style in hf._LEFT_WHOLE:  # a dense module: left to FSDP2 and the tp plan
+            assert set(nd.hf_ep_plan(model)) == {"model.layers.*.mlp.experts"}
+        else:
+            with pytest.raises(ValueError, match=rf"ep_plan\['model.layers.\*.self_attn.q_proj'\] = '{style}'"):
+                nd.hf_ep_plan(model)
+    model = tiny_causal_lm("Mixtral")  # a style with no PyTorch equivalent, on a dense module: refused, not skipped
+    model.ep_plan = {**model.ep_plan, "model.layers.*.mlp.gate": "packed_rowwise"}
+    with pytest.raises(ValueError, match=r"ep_plan\['model.layers.\*.mlp.gate'\] = 'packed_rowwise'"):
+        nd.hf_ep_plan(model)

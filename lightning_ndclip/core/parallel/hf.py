@@ -284,16 +284,16 @@ def hf_ep_plan(module: nn.Module) -> dict[str, ParallelStyle]:
     ``ep_dispatch_experts`` module gets :class:`~lightning_ndclip.core.parallel.expert_parallel.ExpertParallel`
     over the weights its ``grouped_gemm`` entries name (whole experts per ``ep`` rank, tokens by all-to-all).
 
-    Entries for dense modules (``colwise`` / ``rowwise`` MLPs: ``transformers`` splits those over its ep ranks)
-    are not applied: here dense weights are sharded by FSDP2 over every data rank, and split over ``tp`` by the
-    tensor-parallel plan. Numerically the same function either way.
+    Entries with tensor-parallel styles for dense modules (``colwise`` / ``rowwise`` MLPs: ``transformers``
+    splits those over its ep ranks) are not applied: here dense weights are sharded by FSDP2 over every data
+    rank, and split over ``tp`` by the tensor-parallel plan. Numerically the same function either way.
 
     Raises:
         ImportError: ``transformers`` is not installed.
         ValueError: no ``transformers`` model in ``module`` has an expert-parallel plan (a dense model, or a
             release without ``model.ep_plan``); or an entry inside an experts module is no ``grouped_gemm`` weight
-            (a weight all experts share, such as a norm, would get a partial gradient on each ``ep`` rank), or has
-            a style without a PyTorch equivalent (each naming the entry).
+            (a weight all experts share, such as a norm, would get a partial gradient on each ``ep`` rank), or an
+            entry outside the experts modules has a style that is no tensor-parallel one (each naming the entry).
     """
     plan: dict[str, ParallelStyle] = {}
     models = transformers_models(module)
@@ -302,13 +302,13 @@ def hf_ep_plan(module: nn.Module) -> dict[str, ParallelStyle]:
         dispatched = [key for key, style in entries.items() if style == _EP_DISPATCH]
         for key, style in entries.items():
             holder = next((d for d in dispatched if key.startswith(f"{d}.")), None)
-            if holder is None and style not in (_EP_DISPATCH, _EP_WEIGHT):
-                continue  # a dense module: FSDP2 and the tp plan place it
+            if holder is None and (style in HF_STYLES or style in _LEFT_WHOLE):
+                continue  # a dense module split the tensor-parallel way: FSDP2 and the tp plan place it here
             if style != _EP_DISPATCH and (holder is None or style != _EP_WEIGHT):
                 raise ValueError(
                     f"{type(model).__name__}.ep_plan[{key!r}] = {style!r}: expert parallelism here maps "
-                    f"{_EP_DISPATCH!r} modules and the {_EP_WEIGHT!r} expert weights inside them only; train "
-                    "this model with ep=1"
+                    f"{_EP_DISPATCH!r} modules and the {_EP_WEIGHT!r} expert weights inside them (and leaves dense "
+                    "modules to FSDP2 and the tp plan); train this model with ep=1"
                 )
         for key in dispatched:
             weights = [k[len(key) + 1 :] for k, style in entries.items() if style == _EP_WEIGHT and k.startswith(f"{key}.")]
