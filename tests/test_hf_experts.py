@@ -123,9 +123,10 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _MoEModule(L.LightningModule):
-    def __init__(self, family: str) -> None:
+    def __init__(self, family: str, batch: int = BATCH) -> None:
         super().__init__()
         self.lm = tiny_causal_lm(family)
+        self.batch = batch
 
     def count_tokens(self, batch) -> torch.Tensor:
         return (batch[1] != -100).sum()
@@ -139,12 +140,12 @@ class _MoEModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data()), batch_size=BATCH)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data()), batch_size=self.batch)
 
 
 def _reference(family: str) -> dict:
-    """One process, float64, the experts' plain loop; each step covers all 16 rows (2 micro-batches x 4 data ranks
-    x 2 rows)."""
+    """One process, float64, the experts' plain loop; each step covers all 16 rows (2 micro-batches x 16 / 2 rows
+    over the data ranks)."""
     model = tiny_causal_lm(family).double()
     model.set_experts_implementation("eager")
     tokens, labels = _data()
@@ -164,13 +165,13 @@ def _reference(family: str) -> dict:
 _WRAPPED = "_checkpoint_wrapped_module."
 
 
-def _fit_case(family: str, ep: int, recompute: bool = False) -> dict:
+def _fit_case(family: str, ep: int, recompute: bool = False, tp: int = 1) -> dict:
     use_existing_process_group()
     recorder = Recorder()
-    module = _MoEModule(family)
+    module = _MoEModule(family, batch=BATCH * tp)  # every step covers all 16 rows
     layer = type(module.lm.model.layers[0])
     plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=[layer], activation_checkpointing=[layer] if recompute else [])
-    strategy = nd.NDParallelStrategy(dp_shard=4, ep=ep, plan=plan, loss_normalization="token_mean", summary=False)
+    strategy = nd.NDParallelStrategy(dp_shard=4 // tp, tp=tp, ep=ep, plan=plan, loss_normalization="token_mean", summary=False)
     trainer = L.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=2,
         callbacks=[verify := nd.VerifyOneDevice(), nd.GlobalNormClip(MAX_NORM)], logger=recorder, log_every_n_steps=1,
@@ -185,6 +186,7 @@ def _fit_case(family: str, ep: int, recompute: bool = False) -> dict:
         "params": {n.replace(_WRAPPED, ""): p.detach().full_tensor() for n, p in module.lm.named_parameters()},
         "experts_here": {n: p.to_local().shape[0] for n, p in experts.items()},
         "experts_meshes": {tuple(p.device_mesh.mesh_dim_names) for p in experts.values()},
+        "experts_placements": {n: str(p.placements) for n, p in experts.items()},
         "verified": verify.report,
         "summary": [n for n in nd.summarize(module, trainer.strategy.meshes).notes if n.startswith("Experts")],
         "view_warnings": sorted({str(w.message)[:80] for w in caught if "returned a view tensor" in str(w.message)}),
@@ -270,3 +272,32 @@ def test_every_style_of_the_installed_transformers_plans_is_mapped_or_refused_na
     model.ep_plan = {**model.ep_plan, "model.layers.*.mlp.gate": "packed_rowwise"}
     with pytest.raises(ValueError, match=r"ep_plan\['model.layers.\*.mlp.gate'\] = 'packed_rowwise'"):
         nd.hf_ep_plan(model)
+
+
+def _tp_refused_case(family: str) -> str:
+    try:
+        _fit_case(family, 2, tp=2)
+    except ValueError as error:
+        return str(error)
+    return "trained"
+
+
+@pytest.mark.parametrize("family", [f for f in EXPERT_FAMILIES if f != "GPT-OSS"])
+def test_experts_over_ep_and_each_split_over_tp_equal_one_device(family):
+    """dp_shard=2 x tp=2 x ep=2 on 4 ranks: attention split over tp by the model's plan, whole experts over ep (edp=1),
+    each split along its width over tp; the same numbers as one device."""
+    if not _has_ep_plan(family):
+        pytest.skip("this transformers release's model has no ep_plan")
+    reference = _reference(family)
+    result = run_on_ranks(4, _fit_case, family, 2, False, 2)[0]
+    assert result["experts_meshes"] == {("edp", "ep", "tp")}, result["experts_meshes"]
+    assert "verdict: exact" in result["verified"], result["verified"]
+    torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(reference["norms"]), rtol=1e-5, atol=0)
+    for name, expected in reference["params"].items():
+        torch.testing.assert_close(result["params"][name].double(), expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_experts_with_biases_over_ep_and_tp_are_refused_naming_their_weights():
+    """GPT-OSS's experts hold biases and an interleaved gate/up layout, which the width split over tp does not cover."""
+    messages = run_on_ranks(4, _tp_refused_case, "GPT-OSS")
+    assert all("GptOssExperts's expert weights are" in m and "gate_up_proj_bias" in m for m in messages), messages

@@ -24,6 +24,13 @@ the gradients: the routing weights' flows back to the router through the exchang
 on its owner, sums over the pairs of every rank of the ``ep`` group. Sum the expert gradients over the ranks
 holding the same experts too: ``fully_shard`` the module over the ``edp`` mesh (SUM reduction), as
 :func:`~lightning_ndclip.core.parallel.plan.parallelize` does.
+
+On a 2-D ``(ep, tp)`` mesh each expert is also split along its intermediate width over ``tp``, as
+:class:`~lightning_ndclip.core.parallel.expert_tensor_parallel.PackedExpertsParallel` splits it (``gate_up_proj``
+``_StridedShard(1, split_factor=2)``, ``down_proj`` ``Shard(2)``): the ``tp`` ranks, which hold the same tokens,
+exchange them alike within their own ``ep`` groups, each runs its width slice of the received pairs' experts, the
+results (partial sums over ``tp``) are summed over ``tp`` before they go back, and so are, in backward, the
+gradients of what was received.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_ndclip import _compat
+from lightning_ndclip.core.parallel.expert_tensor_parallel import PackedExpertsParallel
+from lightning_ndclip.core.parallel.tensor_parallel import gradient_summed_over, sum_over
 
 __all__ = ["ExpertParallel", "TokenRoute"]
 
@@ -77,15 +86,19 @@ class TokenRoute:
 
 class ExpertParallel(_compat.ModuleStyle):
     """Shard a packed-experts module's experts over ``ep``, whole experts per rank, and route its tokens to
-    them (see the module docstring). ``parallelize_module(experts, meshes["ep"], ExpertParallel())``.
+    them (see the module docstring). ``parallelize_module(experts, meshes["ep"], ExpertParallel())``; on a 2-D
+    ``(ep, tp)`` mesh every expert is split over ``tp`` along its intermediate width too.
 
     Args:
-        weights: the module's expert weights (each ``[num_experts, ...]``); default: all its parameters.
+        weights: the module's expert weights (each ``[num_experts, ...]``); default: all its parameters. On an
+            ``(ep, tp)`` mesh they must be ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``.
 
     Raises:
         ValueError: at ``parallelize_module``, naming the module, when it has no int ``num_experts``, holds a
             parameter that is no expert weight (one per expert along dim 0; a weight shared by all experts would
-            get a partial gradient on each ``ep`` rank) or ``ep`` does not divide ``num_experts``.
+            get a partial gradient on each ``ep`` rank) or ``ep`` does not divide ``num_experts``; on an
+            ``(ep, tp)`` mesh, when its weights are not the two ``PackedExpertsParallel`` splits, or ``tp`` does not
+            divide their width.
     """
 
     def __init__(self, weights: Sequence[str] | None = None) -> None:
@@ -93,13 +106,18 @@ class ExpertParallel(_compat.ModuleStyle):
         self.weights = None if weights is None else tuple(weights)
 
     def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        names, experts = self._check(module, device_mesh.size())
+        ep_mesh, tp_mesh = (device_mesh, None) if device_mesh.ndim == 1 else (device_mesh["ep"], device_mesh["tp"])
+        names, experts = self._check(module, ep_mesh.size())
+        placements: dict[str, list[Any]] = {name: [Shard(0)] for name in names}
+        if tp_mesh is not None:
+            splits = _width_splits(module, names, tp_mesh.size())
+            placements = {name: [Shard(0), splits[name]] for name in names}
         for name in names:
             param = getattr(module, name)
             module.register_parameter(
-                name, nn.Parameter(distribute_tensor(param.data, device_mesh, [Shard(0)]), param.requires_grad)
+                name, nn.Parameter(distribute_tensor(param.data, device_mesh, placements[name]), param.requires_grad)
             )
-        dispatch = _Dispatch(module, device_mesh, names, experts)
+        dispatch = _Dispatch(module, ep_mesh, tp_mesh, names, experts)
         module.register_forward_pre_hook(dispatch.before, with_kwargs=True)
         module.register_forward_hook(dispatch.after, always_call=True)
         return module
@@ -124,14 +142,29 @@ class ExpertParallel(_compat.ModuleStyle):
         return names, experts
 
 
+def _width_splits(module: nn.Module, names: tuple[str, ...], tp: int) -> dict[str, Any]:
+    """The ``tp`` placement of each expert weight: :class:`PackedExpertsParallel`'s width split, after its checks."""
+    style = PackedExpertsParallel()
+    if set(names) != {style.gate_up, style.down}:
+        raise ValueError(
+            f"ExpertParallel on ep x tp splits the experts' width as PackedExpertsParallel does, over {style.gate_up!r} "
+            f"and {style.down!r}; {type(module).__name__}'s expert weights are {sorted(names)}: train it with tp=1"
+        )
+    style.check(module, tp)
+    return {style.gate_up: _compat.StridedShard(1, split_factor=2), style.down: Shard(2)}
+
+
 class _Dispatch:
     """The two hooks of one packed-experts module: ``before`` sends the pairs to their experts' owners and hands
     the module's ``forward`` what this rank received (with its local weights); ``after`` sends the results back
     and sums each token's. A call's route is kept on a stack between the two (a recomputation in backward, under
-    activation checkpointing, is a call of its own)."""
+    activation checkpointing, is a call of its own). With a ``tp`` mesh, the received pairs' gradients and the
+    results are summed over it."""
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, names: tuple[str, ...], experts: int) -> None:
-        self.group, self.names, self.experts = mesh.get_group(), names, experts
+    def __init__(
+        self, module: nn.Module, mesh: DeviceMesh, tp_mesh: DeviceMesh | None, names: tuple[str, ...], experts: int
+    ) -> None:
+        self.group, self.tp_mesh, self.names, self.experts = mesh.get_group(), tp_mesh, names, experts
         self.per_rank = self.experts // mesh.size()
         self.first = mesh.get_local_rank() * self.per_rank
         self.signature = inspect.signature(module.forward)
@@ -147,6 +180,8 @@ class _Dispatch:
         # may choose differently on each rank
         received = route.send(torch.cat([rows[token], weights.reshape(-1, 1).to(rows.dtype)], dim=-1))
         self.calls.append((route, token, hidden.shape, received))
+        if self.tp_mesh is not None:  # each tp rank's width slice gives a partial gradient of what it received
+            received = gradient_summed_over(received, self.tp_mesh)
         for name in self.names:
             weight = getattr(module, name)
             object.__setattr__(module, name, weight.to_local() if isinstance(weight, DTensor) else weight)
@@ -163,6 +198,8 @@ class _Dispatch:
         # what this rank received and its local weights stay in the graph (with zero gradients) when no pair came:
         # every rank then runs the backward all-to-alls, and FSDP2 reduce-scatters the same gradients over edp
         output = output + sum((t.reshape(-1)[:0].sum() for t in [received, *local]), output.new_zeros(()))
+        if self.tp_mesh is not None:
+            output = sum_over(output, self.tp_mesh)
         back = route.receive(output)
         combined = back.new_zeros(shape)  # returned as is, not a view: FSDP2's pre-backward hook must stay on it
         combined.view(-1, shape[-1]).index_add_(0, token, back)

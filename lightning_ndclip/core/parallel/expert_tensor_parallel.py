@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_ndclip import _compat
-from lightning_ndclip.core.parallel.tensor_parallel import gradient_summed_over
+from lightning_ndclip.core.parallel.tensor_parallel import gradient_summed_over, sum_over
 
 __all__ = ["PackedExpertsParallel"]
 
@@ -49,7 +49,7 @@ class PackedExpertsParallel(_compat.ModuleStyle):
         self.gate_up, self.down = gate_up, down
 
     def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self._check(module, device_mesh.size())
+        self.check(module, device_mesh.size())
         placements = {self.gate_up: _compat.StridedShard(1, split_factor=2), self.down: Shard(2)}
         for name, placement in placements.items():
             param = getattr(module, name)
@@ -60,7 +60,8 @@ class PackedExpertsParallel(_compat.ModuleStyle):
         module.register_forward_hook(_SumOutput(device_mesh, tuple(placements)), always_call=True)
         return module
 
-    def _check(self, module: nn.Module, tp: int) -> None:
+    def check(self, module: nn.Module, tp: int) -> None:
+        """Raise the ``ValueError`` of :meth:`apply` for ``module`` on ``tp`` ranks, if any, before changing anything."""
         kind = type(module).__name__
         own = dict(module.named_parameters(recurse=False))
         others = sorted(set(own) - {self.gate_up, self.down})
@@ -110,5 +111,4 @@ class _SumOutput:
     def __call__(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
         for name in self.names:
             object.__delattr__(module, name)
-        summed = DTensor.from_local(output, self.mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()])
-        return summed.to_local()
+        return sum_over(output, self.mesh)

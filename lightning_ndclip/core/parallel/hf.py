@@ -31,7 +31,8 @@ and ``rowwise`` on its two weights)        every expert split along its intermed
 
 :func:`hf_ep_plan` reads ``model.ep_plan`` the same way, for ``ep > 1``: an ``ep_dispatch_experts`` module (with
 its ``grouped_gemm`` weights) becomes :class:`~lightning_ndclip.core.parallel.expert_parallel.ExpertParallel`,
-whole experts per ``ep`` rank.
+whole experts per ``ep`` rank (each split over ``tp`` too when ``tp > 1``, in place of its ``moe_tp_experts``
+entry).
 
 An entry for modules the model does not have (the dense MLP of a model whose layers are all sparse)
 is skipped. Any other style (``sequence_parallel``, ``ep_router``, ...) is a ``ValueError`` naming

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from lightning_ndclip._compat import checkpoint_wrapper
+from lightning_ndclip._compat import checkpoint_wrapper, concatenate_meshes
 from lightning_ndclip.core.parallel.mesh import ParallelMeshes
 from lightning_ndclip.core.parallel.tensor_parallel import matches_plan_key, output_not_a_view, tensor_parallelize
 
@@ -24,14 +24,9 @@ __all__ = ["ParallelPlan", "check_plan_sizes", "parallelize"]
 
 def check_plan_sizes(tp_plan: Mapping[str, ParallelStyle] | Literal["auto"] | None, tp: int, ep: int) -> None:
     """A tp plan needs ``tp > 1``, except ``tp_plan="auto"`` with ``ep > 1``: the models' expert-parallel plans
-    alone. ``"auto"`` on ``tp > 1`` and ``ep > 1`` together (experts over ``ep x tp``) is not supported yet."""
+    alone."""
     if tp_plan and tp == 1 and not (tp_plan == "auto" and ep > 1):
         raise ValueError("plan=ParallelPlan(tp_plan=...) needs tp > 1 (tp_plan='auto': or ep > 1); set tp > 1 or drop tp_plan")
-    if tp_plan == "auto" and tp > 1 and ep > 1:
-        raise ValueError(
-            f"tp_plan='auto' with tp={tp} and ep={ep}: experts split over ep x tp are not supported yet; "
-            "choose tp=1 (experts over ep) or ep=1 (every expert split over tp)"
-        )
 
 
 def _replace_children(module: nn.Module, classes: tuple[type[nn.Module], ...]) -> None:
@@ -98,15 +93,17 @@ def parallelize(
     _check_classes(module, "activation_checkpointing", activation_checkpointing)
     tp, ep = meshes["tp"].size(), meshes["ep"].size()
     check_plan_sizes(tp_plan, tp, ep)
-    experts: list[nn.Module] = []
+    experts: dict[str, nn.Module] = {}
     if tp_plan == "auto":
         from lightning_ndclip.core.parallel import hf  # needs transformers only when asked for
 
-        if ep > 1:
+        if ep > 1:  # whole experts over ep, each split over tp along its width when tp > 1
             ep_plan = hf.hf_ep_plan(module)
-            parallelize_module(module, meshes["ep"], ep_plan)
-            experts = [m for n, m in module.named_modules() if any(matches_plan_key(n, key) for key in ep_plan)]
+            parallelize_module(module, meshes["ep"] if tp == 1 else concatenate_meshes([meshes["ep"], meshes["tp"]]), ep_plan)
+            experts = {n: m for n, m in module.named_modules() if any(matches_plan_key(n, key) for key in ep_plan)}
         tp_plan = hf.hf_tp_plan(module, tp=tp) if tp > 1 else None
+        if tp_plan and experts:  # the experts' own tp entries: applied with ep above
+            tp_plan = {key: style for key, style in tp_plan.items() if not any(matches_plan_key(n, key) for n in experts)}
     if tp_plan:
         tensor_parallelize(module, meshes["tp"], tp_plan)
     if activation_checkpointing:
@@ -114,7 +111,7 @@ def parallelize(
     fsdp_kwargs: dict[str, Any] = {"mesh": meshes["fsdp"]}
     if mp_policy is not None:
         fsdp_kwargs["mp_policy"] = mp_policy
-    for unit in experts:  # whole experts per ep rank, sharded over the ranks that hold the same experts
+    for unit in experts.values():  # whole experts per ep rank, sharded over the ranks that hold the same experts
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **{**fsdp_kwargs, "mesh": meshes["edp"]})
     units = tuple(fsdp_units)
     matched = [m for m in module.modules() if units and isinstance(m, units) and m is not module]

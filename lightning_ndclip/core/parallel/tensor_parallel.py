@@ -184,6 +184,13 @@ def gradient_summed_over(value: Any, mesh: DeviceMesh) -> Any:
     return value
 
 
+def sum_over(partial: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``partial`` (this rank's part of a sum over ``mesh``) summed over ``mesh``; differentiable (the gradient
+    goes back to every rank's part as it is)."""
+    summed = DTensor.from_local(partial, mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()])
+    return summed.to_local()
+
+
 def _sum_partial_gradient(param: torch.Tensor) -> None:
     """A replicated weight applied to tp-split activations (a norm under ``SequenceParallel``) gets a
     ``Partial`` gradient from DTensor: its sum over tp, reduced here once accumulated (FSDP2, which
