@@ -43,7 +43,8 @@ DOCUMENTED_READS = {
     ("ring_attention.py", "_tiles"): "which key tiles of a block are entirely masked (causal or packed), one read per "
     "block, to skip their work",
     ("_pipeline.py", "run"): "whether any stage's pipeline_loss raised, one flag per batch, so that every rank raises",
-    ("experts.py", "_dispatch_and_run"): "how many rows go to each expert-parallel rank: the all-to-all's split sizes",
+    ("expert_parallel.py", "__init__"): "how many rows go to each expert-parallel rank: the all-to-all's split sizes "
+    "(TokenRoute)",
     ("experts.py", "forward"): "which rows are routed to each local expert (MoE's plain loop)",
 }
 """The host reads the product makes by design in steady state, by (file, function), and why (docs/concepts.md)."""
