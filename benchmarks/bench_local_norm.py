@@ -67,6 +67,7 @@ def run_case(params: float, dtype: torch.dtype, reps: int, device: str) -> dict:
         "floor": lambda: torch.linalg.vector_norm(flat),
         "foreach fp32": lambda: foreach_norm(grads, 2.0, dtype=torch.float32),
         "foreach fp64": lambda: foreach_norm(grads, 2.0, dtype=torch.float64),
+        "vector_norm each fp32": lambda: torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in grads]),
         "ndclip fp32": lambda: nd.get_total_norm(grads, accumulate_dtype=torch.float32),
         "ndclip fp64": lambda: nd.get_total_norm(grads, accumulate_dtype=torch.float64),
         "torch get_total_norm": lambda: torch.nn.utils.get_total_norm(grads),
@@ -109,7 +110,8 @@ def host_sync_check() -> str:
 
 
 def write_markdown(data: dict, path: Path) -> None:
-    cols = ["floor", "foreach fp32", "foreach fp64", "ndclip fp32", "ndclip fp64", "torch get_total_norm"]
+    cols = ["floor", "foreach fp32", "foreach fp64", "vector_norm each fp32", "ndclip fp32", "ndclip fp64"]
+    cols.append("torch get_total_norm")
     lines = [
         f"# Local norm on {data['device']} (torch {data['torch']}), median ms of {data['reps']} calls",
         "",

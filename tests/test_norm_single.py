@@ -3,9 +3,11 @@ gradients that require grad themselves are normed and clipped outside autograd."
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import lightning_ndclip as nd
+from lightning_ndclip.core.norm import clip_grad
 
 
 def test_per_tensor_norms_stay_with_their_tensors_when_dtypes_are_interleaved():
@@ -20,6 +22,23 @@ def test_per_tensor_norms_stay_with_their_tensors_when_dtypes_are_interleaved():
         assert abs(float(norms[f"p{i}"]) - expected) <= 1e-6 * expected, (i, norms)
     total = nd.get_total_norm([p.grad for p in params], accumulate_dtype=torch.float64)
     assert abs(float(total) - sum(float(p.grad.double().norm()) ** 2 for p in params) ** 0.5) <= 1e-12 * float(total)
+
+
+@pytest.mark.parametrize("accumulate", [torch.float32, torch.float64])
+def test_large_tensors_normed_one_kernel_each_keep_their_place(monkeypatch, accumulate):
+    """Tensors from ``_ONE_KERNEL_EACH`` elements, accumulated in float32, get a ``vector_norm`` each and the others
+    ``foreach_norm``'s (an accelerator's faster path, forced here by a small threshold): the per-tensor norms and the
+    total are each tensor's own, in input order."""
+    monkeypatch.setattr(clip_grad, "_ONE_KERNEL_EACH", 10)
+    grads = [torch.full((n,), float(i + 1)) for i, n in enumerate((3, 12, 5, 40, 9))]  # small, large, small, large
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g
+    norms = nd.grad_norms([(f"p{i}", p) for i, p in enumerate(params)], accumulate_dtype=accumulate, foreach=True)
+    for i, g in enumerate(grads):
+        torch.testing.assert_close(float(norms.as_dict()[f"p{i}"]), float(g.double().norm()), rtol=1e-6, atol=0)
+    expected = sum(float(g.double().norm()) ** 2 for g in grads) ** 0.5
+    torch.testing.assert_close(float(nd.get_total_norm(grads, foreach=True)), expected, rtol=1e-6, atol=0)
 
 
 def _double_model() -> torch.nn.Module:

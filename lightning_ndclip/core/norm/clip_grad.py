@@ -506,6 +506,21 @@ def _scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor, foreach: bool |
                 t.mul_(c)
 
 
+_ONE_KERNEL_EACH = 1 << 24
+"""Elements from which a tensor's norm accumulated in float32 is one ``vector_norm`` kernel of its own rather than
+a share of ``foreach_norm``'s batched ones: on an H200, 4-10 % faster in float32 and 10-15 % in bfloat16 on 1-4B
+parameter sets of 16-67M-element tensors, and slower from about 4M elements down, or accumulated in float64
+(``benchmarks/bench_local_norm.py``)."""
+
+
+def _group_norms(group: list[torch.Tensor], norm_type: float, dtype: torch.dtype, foreach: bool) -> list[torch.Tensor]:
+    """The norms of one device-and-dtype group, in its order: with ``foreach``, ``foreach_norm``'s, except for the
+    tensors of at least :data:`_ONE_KERNEL_EACH` elements accumulated in float32 (a kernel each); else a kernel each."""
+    alone = [not foreach or (dtype == torch.float32 and t.numel() >= _ONE_KERNEL_EACH) for t in group]
+    batched = iter(foreach_norm([t for t, a in zip(group, alone) if not a], norm_type, dtype=dtype) if not all(alone) else ())
+    return [torch.linalg.vector_norm(t, norm_type, dtype=dtype) if a else next(batched) for t, a in zip(group, alone)]
+
+
 def _stacked_norms(
     tensors: Sequence[torch.Tensor], norm_type: float, dtype: torch.dtype, foreach: bool | None, device: torch.device
 ) -> torch.Tensor:
@@ -515,10 +530,7 @@ def _stacked_norms(
         return torch.zeros(0, dtype=torch.float64, device=device)
     parts, order = [], []
     for (group_device, _), ([group], indices) in group_by_device_and_dtype([list(tensors)], True).items():
-        if _use_foreach(foreach, group_device):
-            norms = list(foreach_norm(group, norm_type, dtype=dtype))
-        else:
-            norms = [torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in group]
+        norms = _group_norms(group, norm_type, dtype, _use_foreach(foreach, group_device))
         parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
         order.extend(indices)
     if len(parts) == 1:
