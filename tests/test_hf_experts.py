@@ -15,6 +15,7 @@ from harness import run_on_ranks
 from helpers import use_existing_process_group
 from hf_families import EXPERT_FAMILIES, tiny_causal_lm
 from test_callbacks import Recorder
+from test_hf_families import _FamilyModule
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -125,27 +126,6 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, labels
 
 
-class _MoEModule(L.LightningModule):
-    def __init__(self, family: str, batch: int = BATCH) -> None:
-        super().__init__()
-        self.lm = tiny_causal_lm(family)
-        self.batch = batch
-
-    def count_tokens(self, batch) -> torch.Tensor:
-        return (batch[1] != -100).sum()
-
-    def training_step(self, batch, batch_idx):
-        tokens, labels = batch
-        logits = self.lm(input_ids=tokens).logits
-        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data()), batch_size=self.batch)
-
-
 def _reference(family: str) -> dict:
     """One process, float64, the experts' plain loop; each step covers all 16 rows (2 micro-batches x 16 / 2 rows
     over the data ranks)."""
@@ -171,7 +151,7 @@ _WRAPPED = "_checkpoint_wrapped_module."
 def _fit_case(family: str, ep: int, recompute: bool = False, tp: int = 1) -> dict:
     use_existing_process_group()
     recorder = Recorder()
-    module = _MoEModule(family, batch=BATCH * tp)  # every step covers all 16 rows
+    module = _FamilyModule(family, _data(), batch=BATCH * tp)  # every step covers all 16 rows
     layer = type(module.lm.model.layers[0])
     plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=[layer], activation_checkpointing=[layer] if recompute else [])
     strategy = nd.NDParallelStrategy(dp_shard=4 // tp, tp=tp, ep=ep, plan=plan, loss_normalization="token_mean", summary=False)

@@ -51,9 +51,13 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _FamilyModule(L.LightningModule):
-    def __init__(self, family: str) -> None:
+    """A family's tiny causal LM trained the usual way: the token-mean cross-entropy of (input_ids, labels) batches
+    (``data``, default ``_data()``) with SGD."""
+
+    def __init__(self, family: str, data: tuple[torch.Tensor, torch.Tensor] | None = None, batch: int = BATCH) -> None:
         super().__init__()
         self.lm = tiny_causal_lm(family)
+        self.data, self.batch = data, batch
 
     def count_tokens(self, batch) -> torch.Tensor:
         return (batch[1] != -100).sum()
@@ -67,7 +71,8 @@ class _FamilyModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data()), batch_size=BATCH)
+        data = _data() if self.data is None else self.data
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*data), batch_size=self.batch)
 
 
 def _reference(family: str) -> dict:
