@@ -19,9 +19,10 @@ Its weights become DTensors ``Shard(0)`` over ``ep`` (``E/ep`` whole experts per
 ``(t, j)`` (the row ``x_t``, the expert ``e_tj``, the weight ``w_tj``) to the owner of ``e_tj``, which runs the
 module's own ``forward`` on what it received (``k = 1``, local expert ids, its local weights, ``num_experts``
 set to ``E/ep`` for the call), and sends each ``w_tj f_{e_tj}(x_t)`` back, where the ``k`` results of a token
-are summed. So the function is the module's own, exactly (up to the order of the ``k``-term sums), and so are
-the gradients: the routing weights' flows back to the router through the exchange, and an expert's gradient,
-on its owner, sums over the pairs of every rank of the ``ep`` group. Sum the expert gradients over the ranks
+are summed (the routing weights travel with the rows, in the rows' dtype: the hidden states' dtype, which
+``transformers``' routers return them in). So the function is the module's own, exactly (up to the order of the
+``k``-term sums), and so are the gradients: the routing weights' flows back to the router through the exchange,
+and an expert's gradient, on its owner, sums over the pairs of every rank of the ``ep`` group. Sum the expert gradients over the ranks
 holding the same experts too: ``fully_shard`` the module over the ``edp`` mesh (SUM reduction), as
 :func:`~lightning_ndclip.core.parallel.plan.parallelize` does.
 
