@@ -22,8 +22,9 @@ set to ``E/ep`` for the call), and sends each ``w_tj f_{e_tj}(x_t)`` back, where
 are summed (the routing weights travel with the rows, in the rows' dtype: the hidden states' dtype, which
 ``transformers``' routers return them in). So the function is the module's own, exactly (up to the order of the
 ``k``-term sums), and so are the gradients: the routing weights' flows back to the router through the exchange,
-and an expert's gradient, on its owner, sums over the pairs of every rank of the ``ep`` group. Sum the expert gradients over the ranks
-holding the same experts too: ``fully_shard`` the module over the ``edp`` mesh (SUM reduction), as
+and an expert's gradient, on its owner, sums over the pairs of every rank of the ``ep`` group. Sum the expert
+gradients over the ranks holding the same experts too: ``fully_shard`` the module over the ``edp`` mesh (SUM
+reduction), as
 :func:`~lightning_ndclip.core.parallel.plan.parallelize` does.
 
 On a 2-D ``(ep, tp)`` mesh each expert is also split along its intermediate width over ``tp``, as
