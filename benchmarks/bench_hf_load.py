@@ -1,28 +1,37 @@
 """Benchmark: per-rank peak memory of loading a Hugging Face checkpoint into a parallelized model (CPU, gloo).
 
-A random-weight Llama of about 1 GB is saved once with ``save_pretrained`` in bfloat16 (sharded
-safetensors), as models ship. Then, in freshly spawned ranks for every case, the model is made on
-every rank and sharded with FSDP2 over all ranks:
+A random-weight model is saved once with ``save_pretrained`` in bfloat16 (sharded safetensors), as
+models ship: a Llama of about 1 GB (``--model llama``), or a Qwen3-MoE of about 0.5 GB whose experts
+hold most of the weights (``--model moe``; one tensor per expert and projection on disk, as the hub
+ships them, packed into ``experts.gate_up_proj`` / ``experts.down_proj`` in the model). Then, in
+freshly spawned ranks for every case, the model is made on every rank and parallelized over all ranks,
+each decoder layer one FSDP2 unit:
 
 * ``from_pretrained (float32)``: what the docs used to show, ``from_pretrained(dir, dtype=float32)``
-  (float32 weights, as FSDP2 keeps them under mixed precision): every rank converts, so holds, the
-  whole model before sharding it.
-* ``from_pretrained (as stored)``: ``dtype="auto"``, bfloat16 weights: transformers maps the files,
-  and a rank's memory grows only by the pages its shards touch (training then runs on bfloat16
-  weights).
-* ``meta + load (fsdp)``: built on the meta device in float32, sharded, then
-  ``lightning_ndclip.load_hf_checkpoint``: each rank reads the slices its shards hold.
-* ``meta + load (fsdp x tp)``: the same on ``dp_shard = W/2 x tp = 2`` with the model's own plan.
+  (float32 weights, as FSDP2 keeps them under mixed precision), sharded with FSDP2: every rank
+  converts, so holds, the whole model before sharding it.
+* ``from_pretrained (as stored)`` (Llama): ``dtype="auto"``, bfloat16 weights: transformers maps the
+  files, and a rank's memory grows only by the pages its shards touch (training then runs on
+  bfloat16 weights).
+* ``meta + load (fsdp)``: built on the meta device in float32, sharded with FSDP2 over all ranks,
+  then ``lightning_ndclip.load_hf_checkpoint``: each rank reads the slices its shards hold.
+* ``meta + load (fsdp x tp)``: the same on ``dp_shard = W/2 x tp = 2`` with the model's own plan
+  (MoE: every expert split over ``tp`` along its intermediate width, each rank reading its rows of
+  the gate and of the up projection of every expert, and its columns of the down projection).
+* ``meta + load (fsdp x ep)`` (MoE): ``dp_shard = W x ep = 2``, whole experts over ``ep``, FSDP2
+  over ``edp``: each rank reads its own experts' tensors only.
 
 How memory is measured: once torch, transformers and the process group are up, each rank resets its
 peak resident set size (``/proc/self/clear_refs``) and reads it (``VmHWM``), and reads it again after
 the model is built, parallelized and loaded; the difference is what building and loading needed.
-File pages that the loader maps count in it. Reported: the max over ranks, and the ratio to the
-checkpoint's size. Wall time: building, parallelizing and loading, max over ranks.
+File pages that the loader maps count in it. Reported: the max over ranks, and its ratio to the
+rank's shard (the bytes of its own local parameters and buffers, measured; max over ranks) and to
+the whole model. Wall time: building, parallelizing and loading, max over ranks.
 
 Run by hand (see README.md)::
 
-    python benchmarks/bench_hf_load.py                     # 4 ranks, ~1 GB model, ~3 min
+    python benchmarks/bench_hf_load.py                     # 4 ranks, ~1 GB Llama, ~3 min
+    python benchmarks/bench_hf_load.py --model moe         # 4 ranks, ~0.5 GB Qwen3-MoE, ~2 min
 """
 
 from __future__ import annotations
@@ -36,18 +45,40 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from _common import spawn_and_report  # benchmarks/_common.py
+from torch.distributed.tensor import DTensor
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ("from_pretrained (float32)", "from_pretrained (as stored)", "meta + load (fsdp)", "meta + load (fsdp x tp)")
+METHODS = {
+    "llama": ("from_pretrained (float32)", "from_pretrained (as stored)", "meta + load (fsdp)", "meta + load (fsdp x tp)"),
+    "moe": ("from_pretrained (float32)", "meta + load (fsdp)", "meta + load (fsdp x ep)", "meta + load (fsdp x tp)"),
+}
+NAMES = {"llama": "Llama", "moe": "Qwen3-MoE (per-expert)"}
+DEFAULTS = {  # --hidden, --intermediate (the MoE's: per expert) of each model
+    "llama": {"hidden": 2048, "intermediate": 5632},
+    "moe": {"hidden": 1024, "intermediate": 512},
+}
 
 
 def config(args):
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
-    return LlamaConfig(
-        vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 128, num_key_value_heads=args.hidden // 128, tie_word_embeddings=False,
+    common = dict(
+        hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.hidden // 128,
+        tie_word_embeddings=False,
     )  # fmt: skip
+    if args.model == "llama":
+        kv_heads = args.hidden // 128
+        return LlamaConfig(vocab_size=32000, intermediate_size=args.intermediate, num_key_value_heads=kv_heads, **common)
+    return Qwen3MoeConfig(
+        vocab_size=8000, moe_intermediate_size=args.intermediate, num_experts=args.experts, num_experts_per_tok=2,
+        num_key_value_heads=args.hidden // 256, head_dim=128, **common,
+    )  # fmt: skip
+
+
+def model_class(args):
+    from transformers import LlamaForCausalLM, Qwen3MoeForCausalLM
+
+    return LlamaForCausalLM if args.model == "llama" else Qwen3MoeForCausalLM
 
 
 def peak_mb() -> float:
@@ -61,23 +92,28 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def build_and_load(method: str, directory: str, args):
-    from transformers import LlamaForCausalLM
+def shard_mb(model: torch.nn.Module) -> float:
+    """The bytes of this rank's own parameters and buffers (local shards of DTensors), each tensor once."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    local = (t.to_local() if isinstance(t, DTensor) else t for t in tensors)
+    return sum(t.numel() * t.element_size() for t in local) / 2**20
 
+
+def build_and_load(method: str, directory: str, args):
     import lightning_ndclip as nd
 
     world = dist.get_world_size()
-    tp = 2 if method.endswith("x tp)") else 1
-    meshes = nd.ParallelDims(world_size=world, dp_shard=world // tp, tp=tp).build_mesh("cpu")
-    units = ["LlamaDecoderLayer"]
+    layout = method[method.index("(") + 1 : -1]
+    tp, ep = (2 if layout == "fsdp x tp" else 1), (2 if layout == "fsdp x ep" else 1)
+    meshes = nd.ParallelDims(world_size=world, dp_shard=world // tp, tp=tp, ep=ep).build_mesh("cpu")
     if method.startswith("from_pretrained"):
-        model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32 if "float32" in method else "auto")
+        model = model_class(args).from_pretrained(directory, dtype=torch.float32 if "float32" in method else "auto")
         nd.parallelize(model, meshes, fsdp_units=[type(model.model.layers[0])])
         return model
     with torch.device("meta"):
-        model = LlamaForCausalLM(config(args))
-    unit = [type(m) for m in model.modules() if type(m).__name__ in units]
-    nd.parallelize(model, meshes, tp_plan="auto" if tp > 1 else None, fsdp_units=unit[:1])
+        model = model_class(args)(config(args))
+    plan = nd.ParallelPlan(tp_plan="auto" if tp > 1 or ep > 1 else None, fsdp_units=[type(model.model.layers[0])])
+    plan.apply(model, meshes)
     nd.load_hf_checkpoint(model, directory)
     return model
 
@@ -96,30 +132,43 @@ def worker(rank: int, args, port: int, out_json: str) -> None:
     t0 = time.perf_counter()
     model = build_and_load(args.method, args.directory, args)
     dist.barrier()
-    mine = {"peak_mb": peak_mb() - baseline, "baseline_mb": baseline, "s": time.perf_counter() - t0}
+    mine = {"peak_mb": peak_mb() - baseline, "baseline_mb": baseline, "s": time.perf_counter() - t0, "shard_mb": shard_mb(model)}
     del model
     gathered: list = [None] * args.world_size
     dist.all_gather_object(gathered, mine)
     row = {"method": args.method, **{key: max(r[key] for r in gathered) for key in mine}, "per_rank": gathered}
     if rank == 0:
-        print(f"{args.method:24s} peak +{row['peak_mb']:.0f} MB per rank, {row['s']:.1f} s", flush=True)
+        peak, shard = row["peak_mb"], row["shard_mb"]
+        print(f"{args.method:24s} peak +{peak:.0f} MB per rank, shard {shard:.0f} MB, {row['s']:.1f} s", flush=True)
         Path(out_json).write_text(json.dumps({"world_size": args.world_size, "rows": [row]}, indent=1))
     dist.destroy_process_group()
 
 
+def _described(a: dict) -> str:
+    if a["model"] == "llama":
+        return f"Random-weight Llama, {a['params'] / 1e6:.0f}M parameters"
+    share = a["expert_params"] / a["params"]
+    return (
+        f"Random-weight Qwen3-MoE, {a['params'] / 1e6:.0f}M parameters, {a['expert_params'] / 1e6:.0f}M of them "
+        f"({share:.0%}) in {a['experts']} experts per layer x {a['layers']} layers, stored one tensor per expert and "
+        "projection (as the hub ships them) and packed in the model"
+    )
+
+
 def write_markdown(data: dict, path: Path) -> None:
     a, world = data["args"], data["world_size"]
+    as_stored = " except 'as stored'" if any("as stored" in row["method"] for row in data["rows"]) else ""
     lines = [f"# Loading a {a['checkpoint_mb']:.0f} MB Hugging Face checkpoint, {world} ranks (CPU, gloo)", "",
-             f"Random-weight Llama, {a['params'] / 1e6:.0f}M parameters, saved in bfloat16 with `save_pretrained` "
-             f"({a['files']} safetensors files); weights made in float32 except 'as stored'. **peak MB**: growth of "
-             "the rank's peak RSS while building, sharding and loading the model (max over ranks; mapped file pages "
-             "count); fresh ranks per case. **model**: the whole model in the weights' dtype; **shard**: model / "
-             "ranks, what FSDP2 leaves each rank. See README.md.", "",
-             "| method | peak MB per rank | / model | / shard | s |", "|---|---|---|---|---|"]
+             f"{_described(a)}, saved in bfloat16 with `save_pretrained` ({a['files']} safetensors files); weights "
+             f"made in float32{as_stored}. **peak MB**: growth of the rank's peak RSS while building, "
+             "sharding and loading the model (max over ranks; mapped file pages count); fresh ranks per case. "
+             "**shard MB**: the rank's own parameters and buffers (its local shards; max over ranks). **model**: "
+             "the whole model in the weights' dtype. See README.md.", "",
+             "| method | peak MB per rank | shard MB | / shard | / model | s |", "|---|---|---|---|---|---|"]  # fmt: skip
     for row in data["rows"]:
         model_mb = a["params"] * (2 if "as stored" in row["method"] else 4) / 2**20
-        lines.append(f"| {row['method']} | {row['peak_mb']:.0f} | {row['peak_mb'] / model_mb:.2f} | "
-                     f"{row['peak_mb'] / (model_mb / world):.2f} | {row['s']:.1f} |")
+        lines.append(f"| {row['method']} | {row['peak_mb']:.0f} | {row['shard_mb']:.0f} | "
+                     f"{row['peak_mb'] / row['shard_mb']:.2f} | {row['peak_mb'] / model_mb:.2f} | {row['s']:.1f} |")  # fmt: skip
     path.write_text("\n".join(lines + [""]))
 
 
@@ -131,11 +180,11 @@ def write_plot(data: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     rows = data["rows"]
-    ax.barh([r["method"] for r in rows], [r["peak_mb"] for r in rows])
-    model_mb = data["args"]["params"] * 4 / 2**20
-    ax.axvline(model_mb, color="k", linestyle=":", label="float32 model")
-    ax.axvline(model_mb / data["world_size"], color="g", linestyle=":", label="float32 model / ranks")
-    ax.set(xlabel="peak MB per rank (build + parallelize + load)", title=f"{data['world_size']} ranks")
+    ax.barh([r["method"] for r in rows], [r["peak_mb"] for r in rows], label="peak MB per rank")
+    ax.scatter([r["shard_mb"] for r in rows], [r["method"] for r in rows], color="g", marker="|", s=300, label="shard MB")
+    ax.axvline(data["args"]["params"] * 4 / 2**20, color="k", linestyle=":", label="float32 model")
+    title = f"{NAMES[data['args']['model']]} checkpoint into the shards, {data['world_size']} ranks"
+    ax.set(xlabel="peak MB per rank (build + parallelize + load)", title=title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -143,26 +192,31 @@ def write_plot(data: dict, path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=tuple(METHODS), default="llama")
     p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--hidden", type=int, help="default: 2048 (llama), 1024 (moe)")
+    p.add_argument("--intermediate", type=int, help="default: 5632 (llama), 512 per expert (moe)")
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--experts", type=int, default=16, help="moe: experts per layer")
+    p.add_argument("--methods", nargs="+", choices=sorted({m for ms in METHODS.values() for m in ms}))
     args = p.parse_args()
-    from transformers import LlamaForCausalLM
-
+    for key, value in DEFAULTS[args.model].items():
+        setattr(args, key, getattr(args, key) if getattr(args, key) is not None else value)
+    args.methods = args.methods or list(METHODS[args.model])
     with tempfile.TemporaryDirectory() as directory:
         torch.manual_seed(0)
-        model = LlamaForCausalLM(config(args)).to(torch.bfloat16)
+        model = model_class(args)(config(args)).to(torch.bfloat16)
         model.save_pretrained(directory, max_shard_size="300MB")
         files = sorted(Path(directory).glob("*.safetensors"))
         args.params = sum(p.numel() for p in model.parameters())
+        args.expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         args.checkpoint_mb = sum(f.stat().st_size for f in files) / 2**20
         args.files = len(files)
         del model
         args.directory = directory
         cases = [{"method": m} for m in args.methods]
-        spawn_and_report(worker, args, RESULTS / f"hf_load_{args.world_size}ranks", write_markdown, write_plot, cases)
+        stem = f"hf_load_{args.world_size}ranks" if args.model == "llama" else f"hf_load_moe_{args.world_size}ranks"
+        spawn_and_report(worker, args, RESULTS / stem, write_markdown, write_plot, cases)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,23 @@
 """Hugging Face checkpoints in and out of a ``transformers`` model parallelized on any mesh.
 
 :func:`load_hf_checkpoint` fills a model built on the meta device and parallelized (FSDP2, tensor
-parallel, both) from a Hugging Face checkpoint: each rank reads, through PyTorch's distributed
-checkpoint and its ``HuggingFaceStorageReader``, only the slices of the safetensors files that its
-own shards hold, so no rank ever holds the whole model. The buffers a checkpoint does not store (the
-rotary ``inv_freq``, Gemma's ``embed_scale``) are recomputed by the model's own initialization.
+parallel, expert parallel, any of them together) from a Hugging Face checkpoint: each rank reads only the
+slices of the safetensors files that its own shards hold, so no rank ever holds the whole model. Tensors
+stored as the model holds them are read through PyTorch's distributed checkpoint and its
+``HuggingFaceStorageReader``; those that ``transformers`` assembles from several stored tensors (the MoE
+families' per-expert tensors, packed into ``experts.gate_up_proj`` / ``experts.down_proj``), and shards
+that are no box of the global tensor (the packed experts' gate and up slices under ``tp``), block by block
+(``_hf_checkpoint_pieces``). The buffers a checkpoint does not store (the rotary ``inv_freq``, Gemma's
+``embed_scale``) are recomputed by the model's own initialization.
 
-:func:`save_hf_checkpoint` writes what ``from_pretrained`` reads (``config.json``, sharded
-``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``) from a model sharded
-on any mesh (FSDP2, tensor parallel, both), one tensor at a time: each is gathered whole
-(``DTensor.full_tensor``, a collective on every rank), rank 0 adds it to the shard it is filling
-and writes the shard once it reaches ``max_shard_bytes``. No rank holds more than one tensor and
-one shard; the whole model is never gathered anywhere.
+:func:`save_hf_checkpoint` writes what ``save_pretrained`` writes and ``from_pretrained`` reads
+(``config.json``, sharded ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``,
+under the names and in the layout of the model type's conversion mapping: one tensor per expert where
+``transformers`` packs them) from a model sharded on any mesh, one stored tensor at a time: each is
+gathered (``DTensor.full_tensor``, or, for one expert's tensor, the blocks the ranks hold of it, sent to
+rank 0), rank 0 adds it to the shard it is filling and writes the shard once it reaches
+``max_shard_bytes``. No rank holds more than one stored tensor and one shard: the whole model is never
+gathered anywhere, nor is a packed experts weight that is stored one tensor per expert.
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +35,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_ndclip import _compat
+from lightning_ndclip.core.parallel._hf_checkpoint_pieces import (
+    Conversions,
+    Piece,
+    assemble,
+    gather_piece,
+    holds_a_box,
+    hub_pieces,
+    read_pieces,
+    some,
+    stored_files,
+    whole,
+)
 from lightning_ndclip.core.parallel.tensor_parallel import tied_parameters
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint"]
@@ -43,9 +60,17 @@ def _is_rank_zero() -> bool:
 
 def save_hf_checkpoint(model: Any, directory: str | os.PathLike[str], *, max_shard_bytes: int = 2**30) -> Path:
     """Write ``model`` (a ``transformers`` ``PreTrainedModel``, parallelized or not) to ``directory`` as a
-    Hugging Face checkpoint that ``from_pretrained`` loads on one process. Call it on every rank (a
-    collective per sharded tensor); rank 0 writes. A tied weight (one tensor under several names) is
-    written once, under its first name, as ``save_pretrained`` does; ``from_pretrained`` ties it again.
+    Hugging Face checkpoint that ``from_pretrained`` loads on one process, bit for bit. Call it on every
+    rank (a collective per sharded stored tensor); rank 0 writes.
+
+    * The names and layout are ``save_pretrained``'s for a model of this type (``transformers``' conversion
+      mapping, reversed): a packed experts weight that ``transformers`` assembles from per-expert tensors
+      (``MergeModulelist``, ``Concatenate``) is written as those tensors (Mixtral's
+      ``block_sparse_moe.experts.<e>.w1.weight``, Qwen-MoE's ``mlp.experts.<e>.gate_proj.weight``, ...), each
+      gathered on rank 0 from the blocks the ranks hold of it; a model tensor that a conversion this function
+      does not reverse assembles is written as the model holds it, which ``from_pretrained`` reads as is.
+    * A tied weight (one tensor under several names) is written once, under its first name, as
+      ``save_pretrained`` writes it; ``from_pretrained`` ties it again.
 
     Returns:
         ``directory``, as a ``Path``.
@@ -70,17 +95,18 @@ def save_hf_checkpoint(model: Any, directory: str | os.PathLike[str], *, max_sha
             files.append(list(shard))
         shard, size = {}, 0
 
+    conversions = Conversions(model)
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        value = tensor.detach()
-        value = value.full_tensor() if isinstance(value, DTensor) else value
-        if writer:
-            shard[name] = value.cpu().contiguous()
-            size += value.numel() * value.element_size()
-        if size >= max_shard_bytes:
-            flush()
+        for piece in hub_pieces(conversions, name, tensor.shape):
+            value = gather_piece(tensor.detach(), piece)
+            if writer and value is not None:
+                shard[piece.name] = value.cpu().contiguous()
+                size += value.numel() * value.element_size()
+            if size >= max_shard_bytes:
+                flush()
     flush()
     if writer:
         _name_shards(out, files, total)
@@ -112,29 +138,42 @@ def load_hf_checkpoint(
     * Every parameter and persistent buffer is read from the files; a sharded one (a ``DTensor``) reads
       only the slices its local shard holds. A tied weight (one tensor under several names) is read
       once, under whichever of its names the checkpoint stores. Values are cast to the model's dtypes.
+    * Names are read as ``from_pretrained`` reads them, through ``transformers``' conversion mapping for the
+      model's type: its renamings (GPT-NeoX's ``embed_out``, Mixtral's ``block_sparse_moe``), and the
+      converters that stack per-expert tensors and concatenate them (``MergeModulelist``, ``Concatenate``)
+      into the packed experts weights (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``):
+      each rank reads, of each expert's tensors, only the blocks its shard holds (under ``ep`` its own
+      experts, under ``tp`` its rows of the gate and of the up projection), never a whole packed weight.
     * The buffers a checkpoint does not store (``persistent=False``) are recomputed by the model's own
       ``_init_weights``; one that it leaves unset is an error naming it, never uninitialized memory.
 
     Raises:
         ValueError: before anything is allocated, the same on every rank (every rank reads the same
             file headers), naming the tensors: with ``strict``, a weight of the model the checkpoint
-            lacks or a tensor of the checkpoint the model lacks; a shape that differs; a tie the model
-            declares (``all_tied_weights_keys``) but holds as two parameters; tensors that
-            ``transformers`` converts on load (merged or split, as MoE experts' per-expert files).
+            lacks or a tensor of the checkpoint the model lacks (an expert's tensor among them); a shape
+            that differs; a tie the model declares (``all_tied_weights_keys``) but holds as two
+            parameters; tensors that ``transformers`` converts otherwise than by stacking and
+            concatenating (splits, transposes, interleaves), naming them and the model type.
             After loading, a buffer the checkpoint lacks that the model's initialization leaves unset.
     """
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     reader = HuggingFaceStorageReader(str(directory))
-    to_read = _names_to_read(model, reader.read_metadata().state_dict_metadata, strict)
+    to_read, pieces = _names_to_read(model, reader.read_metadata().state_dict_metadata, strict)
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         _to_empty_keeping_ties(model, torch.device(device) if device is not None else _default_device())
     _recompute_unsaved_buffers(model)
     state = model.state_dict()
+    for stored, name in list(to_read.items()):  # a shard that is no box: read block by block, not by dcp
+        if isinstance(state[name], DTensor) and not holds_a_box(state[name]):
+            pieces[name] = [whole(to_read.pop(stored), state[name].shape)]
     single = not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():  # dcp's note that one process reads alone: what single means
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load({stored: state[name] for stored, name in to_read.items()}, storage_reader=reader, no_dist=single)
+    files = stored_files(directory) if pieces else {}
+    for name, tensor_pieces in pieces.items():
+        read_pieces(state[name], tensor_pieces, files)
 
 
 def _default_device() -> torch.device:
@@ -154,36 +193,18 @@ def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
             setattr(model.get_submodule(path), attribute, first)
 
 
-def _renamed(model: nn.Module) -> Callable[[str], str | None]:
-    """The checkpoint name -> model name map that ``from_pretrained`` applies (``transformers``' own
-    renamings, e.g. GPT-NeoX's ``embed_out`` -> ``lm_head``), or ``None`` for a stored tensor that
-    ``transformers`` converts (merges, splits) rather than renames."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming
-
-        transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]
-    except (ImportError, AttributeError, TypeError):  # not a transformers model, or a release without these
-        return lambda key: key
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
-
-    def rename(key: str) -> str | None:
-        for renaming in renamings:
-            key = renaming.rename_source_key(key)[0]
-        return None if any(c.rename_source_key(key)[1] is not None for c in converters) else key
-
-    return rename
-
-
-def _names_to_read(model: nn.Module, stored: dict[str, Any], strict: bool) -> dict[str, str]:
-    """``{checkpoint name: model name}`` for each parameter and persistent buffer of ``model`` (one name
-    of a tied tensor), checked against the checkpoint's names and shapes before anything is read."""
+def _names_to_read(model: nn.Module, stored: dict[str, Any], strict: bool) -> tuple[dict[str, str], dict[str, list[Piece]]]:
+    """``{checkpoint name: model name}`` for each parameter and persistent buffer of ``model`` stored as the
+    model holds it (one name of a tied tensor), and ``{model name: pieces}`` for each one ``transformers``
+    assembles from several stored tensors; checked against the checkpoint's names and shapes before anything
+    is read."""
     state = model.state_dict(keep_vars=True)
-    rename = _renamed(model)
-    from_stored = {key: rename(key) for key in stored}
-    converted = sorted(key for key, name in from_stored.items() if name is None)
-    to_stored = {name: key for key, name in from_stored.items() if name is not None}
+    conversions = Conversions(model)
+    from_stored = {key: conversions.rename(key) for key in stored}
+    converted = {key for key, name in from_stored.items() if conversions.converted(name) is not None}
+    shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
+    assembly = assemble(conversions, shapes, {key: tuple(stored[key].size) for key in converted})
+    to_stored = {name: key for key, name in from_stored.items() if key not in converted}
     aliases: dict[int, list[str]] = {}
     for name, tensor in state.items():
         aliases.setdefault(id(tensor), []).append(name)
@@ -191,20 +212,19 @@ def _names_to_read(model: nn.Module, stored: dict[str, Any], strict: bool) -> di
     missing: list[str] = []
     for names in aliases.values():
         found = next((name for name in names if name in to_stored), None)
-        if found is None:
-            missing.append(" = ".join(names))
-        else:
+        if found is not None:
             to_read[to_stored[found]] = found
-    unexpected = sorted(key for key, name in from_stored.items() if name is not None and name not in state)
+        elif not any(name in assembly.targets for name in names):
+            missing.append(" = ".join(names))
+    missing += assembly.missing
+    unexpected = sorted(key for key, name in from_stored.items() if key not in converted and name not in state)
+    unexpected += assembly.unexpected
     wrong = [
         f"{key}: checkpoint {tuple(stored[key].size)}, model {tuple(state[name].shape)}"
         for key, name in to_read.items()
         if tuple(stored[key].size) != tuple(state[name].shape)
     ]
-
-    def some(names: list[str]) -> str:
-        return f"{names[:5]}" + (f" (+{len(names) - 5})" if len(names) > 5 else "")
-
+    wrong += assembly.misshapen
     problems = [f"shapes differ: {some(wrong)}"] if wrong else []
     untied = [
         f"{target} = {source}"
@@ -216,11 +236,12 @@ def _names_to_read(model: nn.Module, stored: dict[str, Any], strict: bool) -> di
             f"the model declares {some(untied)} tied and holds them as two parameters (transformers releases that "
             "skip tie_weights for a model built on the meta device): call model.tie_weights() before parallelizing"
         )
-    if converted:
+    if assembly.unreadable:
         problems.append(
-            f"transformers converts {some(converted)} when loading (merged or split, not renamed), which cannot be "
-            "read into shards: save it once in the model's own layout (from_pretrained on one process, then "
-            "safetensors.torch.save_file(model.state_dict(), ...)), or load it with from_pretrained on every rank"
+            f"transformers converts {'; '.join(assembly.unreadable)} when loading, which cannot be read into shards "
+            "(only stacked and concatenated tensors can: MergeModulelist, Concatenate): save it once in the model's "
+            "own layout (from_pretrained on one process, then safetensors.torch.save_file(model.state_dict(), ...)), "
+            "or load it with from_pretrained on every rank"
         )
     if strict and missing:
         problems.append(f"missing from the checkpoint: {some(missing)}")
@@ -228,7 +249,7 @@ def _names_to_read(model: nn.Module, stored: dict[str, Any], strict: bool) -> di
         problems.append(f"in the checkpoint, not in {type(model).__name__}: {some(unexpected)}")
     if problems:
         raise ValueError(f"load_hf_checkpoint: the checkpoint does not fit {type(model).__name__}: " + "; ".join(problems))
-    return to_read
+    return to_read, assembly.pieces
 
 
 def _recompute_unsaved_buffers(model: nn.Module) -> None:
