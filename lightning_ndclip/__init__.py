@@ -12,6 +12,7 @@ from lightning_ndclip.core.agree import AgreedError
 from lightning_ndclip.core.context.attention import context_parallel_attention, shard_sequence
 from lightning_ndclip.core.context.ring_attention import ring_attention
 from lightning_ndclip.core.experts import Experts, MoE, shard_experts
+from lightning_ndclip.core.load_balance import LoadBalance, load_balance, load_balancing_loss
 from lightning_ndclip.core.loss import (
     SampleWeights,
     TokenCount,
@@ -53,10 +54,11 @@ from lightning_ndclip.core.pipeline import (
     tie_gradients,
 )
 
-_LIGHTNING_NAMES = ("GlobalMeanLoss", "GlobalNormClip", "NDParallelStrategy", "VerifyOneDevice")
+_LIGHTNING_NAMES = ("GlobalMeanLoss", "GlobalNormClip", "NDParallelStrategy", "VerifyOneDevice", "router_aux_loss")
 
 try:  # the Lightning layer (importing the strategy registers strategy="nd_parallel")
     from lightning_ndclip.lightning.callbacks import GlobalNormClip
+    from lightning_ndclip.lightning.expert_load import router_aux_loss
     from lightning_ndclip.lightning.metrics import GlobalMeanLoss
     from lightning_ndclip.lightning.strategy import NDParallelStrategy
     from lightning_ndclip.lightning.verify import VerifyOneDevice
@@ -85,6 +87,7 @@ __all__ = [
     "ExpertParallel",
     "GradNorms",
     "LatentKeyParallel",
+    "LoadBalance",
     "ModuleRow",
     "MoE",
     "NDParallelStrategy",
@@ -112,11 +115,14 @@ __all__ = [
     "grad_norms",
     "hf_ep_plan",
     "hf_tp_plan",
+    "load_balance",
+    "load_balancing_loss",
     "load_hf_checkpoint",
     "loss_share",
     "model_units",
     "parallelize",
     "ring_attention",
+    "router_aux_loss",
     "sample_ids_from_lengths",
     "save_hf_checkpoint",
     "schedule_stages",

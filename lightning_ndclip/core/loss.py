@@ -196,12 +196,14 @@ class MicroBatchShare:
             (``None`` where its own count is unknown: a cp shard, a pipeline's micro-batch).
         reduction: what a scalar loss is under the token mean: ``"mean"`` or ``"sum"``.
         ends_window: whether the optimizer step follows this micro-batch.
+        micro_batches: how many micro-batches (on each data rank) its accumulation window holds.
     """
 
     normalization: TokenCount | torch.Tensor | float
     local_tokens: torch.Tensor | None = None
     reduction: str = "mean"
     ends_window: bool = True
+    micro_batches: int = 1
 
     @property
     def weights(self) -> torch.Tensor | None:

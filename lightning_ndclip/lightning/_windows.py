@@ -95,7 +95,7 @@ class LossWindows:
         end = min(end, self._next_read)
         window = [self._unwindowed.pop(i) for i in range(start, end)]
         for position, share in enumerate(self._shares(window)):
-            self._windows[start + position] = replace(share, ends_window=start + position == end - 1)
+            self._windows[start + position] = replace(share, ends_window=start + position == end - 1, micro_batches=end - start)
         self._window = (start, end)
         self._forget_before(start)
 

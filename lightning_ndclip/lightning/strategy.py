@@ -40,6 +40,7 @@ from typing_extensions import override
 
 from lightning_ndclip import _compat
 from lightning_ndclip.core.agree import call_hook, run_agreed
+from lightning_ndclip.core.load_balance import LOAD_BALANCING_KEY, window_share
 from lightning_ndclip.core.loss import MicroBatchShare, local_loss_sum, loss_share, sync_sample_weights
 from lightning_ndclip.core.parallel.coverage import check_data_parallel_reduction
 from lightning_ndclip.core.parallel.hf import transformers_models
@@ -342,6 +343,13 @@ class NDParallelStrategy(ModelParallelStrategy):
         return self._loss_normalization
 
     @property
+    def adds_load_balancing_loss(self) -> bool:
+        """Whether a ``training_step`` dict's ``"load_balancing_loss"`` (this rank's share of a load-balancing loss of
+        the global micro-batch, :func:`~lightning_ndclip.lightning.expert_load.router_aux_loss`) is added to the loss
+        as the mean over the window's micro-batches, unscaled by tokens: with ``loss_normalization`` and ``pp=1``."""
+        return self._loss_normalization is not None and (self._dims is None or self._dims.pp == 1)
+
+    @property
     def loss_reduction(self) -> Literal["mean", "sum"]:
         """The ``loss_reduction`` the strategy was given."""
         return self._loss_reduction
@@ -624,9 +632,9 @@ class NDParallelStrategy(ModelParallelStrategy):
         share = self._micro_batch_share()
         self._set_gradient_sync(share.ends_window)
         if self._pipeline is not None:
-            return self._pipelined_step(share, *args, **kwargs)
+            return self._refuse_load_balancing(self._pipelined_step(share, *args, **kwargs))
         if self._windows is None:  # Lightning's mean of micro-batch means: Lightning divides by k itself
-            return super().training_step(*args, **kwargs)
+            return self._refuse_load_balancing(super().training_step(*args, **kwargs))
         k = self._module.trainer.accumulate_grad_batches
         output = self._normalized(super().training_step(*args, **kwargs), share, k)
         self._log_window_loss(output, k, share.ends_window)
@@ -684,7 +692,21 @@ class NDParallelStrategy(ModelParallelStrategy):
         if self._loss_normalization == "token_mean" and self.parallel_dims.cp > 1:
             source += " (cp > 1: count_tokens counts the raw batch, not this shard)"
         scaled = share.apply(loss, source=source) * k
+        balancing = output.get(LOAD_BALANCING_KEY) if isinstance(output, Mapping) else None
+        if balancing is not None:  # a share of the global micro-batch's loss: the window's mean, not a token mean
+            scaled = scaled + window_share(balancing, share.micro_batches) * k
         return {**output, "loss": scaled} if isinstance(output, Mapping) else scaled
+
+    def _refuse_load_balancing(self, output: Any) -> Any:
+        """``output``, unless it holds a ``"load_balancing_loss"``, which this run would drop (it is added only with
+        ``loss_normalization`` and ``pp=1``): a ``ValueError``, the same on every rank."""
+        if isinstance(output, Mapping) and output.get(LOAD_BALANCING_KEY) is not None:
+            raise ValueError(
+                f"training_step returned {LOAD_BALANCING_KEY!r}, which NDParallelStrategy adds to the loss only with "
+                f"loss_normalization='token_mean' or 'sample_mean' and pp=1 (here loss_normalization="
+                f"{self._loss_normalization!r}, pp={self.parallel_dims.pp})"
+            )
+        return output
 
     def _log_window_loss(self, output: Any, k: int, last: bool) -> None:
         """Add this micro-batch's share to the window's loss; at the window's end, sum the shares over

@@ -49,7 +49,8 @@ import math
 import re
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -65,6 +66,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_ndclip import _compat
+from lightning_ndclip.core.load_balance import LOAD_BALANCING_KEY, PooledRouting
 from lightning_ndclip.core.parallel.mesh import ParallelMeshes, one_rank_meshes
 from lightning_ndclip.core.parallel.tensor_parallel import tied_parameters
 from lightning_ndclip.lightning.callbacks import GlobalNormClip
@@ -88,8 +90,10 @@ class VerifyOneDevice(Callback):
             concatenated), which one device would see, and compare it with the micro-batches weighted
             by their ``count_tokens``: catches a count of other tokens than the loss averages over (a
             model's own loss that shifts the labels) and a loss that is not a mean over tokens (an
-            MoE router's auxiliary loss). Needs micro-batches of equal shapes but for dim 0 (else
-            the report says it was not checked) and room for the whole window's activations.
+            MoE router's auxiliary loss computed per rank). With a ``"load_balancing_loss"``
+            (:func:`~lightning_ndclip.lightning.expert_load.router_aux_loss`), each global micro-batch is
+            one batch instead. Needs micro-batches of equal shapes but for dim 0 (else the report says
+            it was not checked) and room for the whole window's activations.
 
     Put it before :class:`~lightning_ndclip.GlobalNormClip` in ``callbacks`` (the gradients are
     compared before clipping; the other order is refused at setup). After the first step it does
@@ -198,9 +202,9 @@ class VerifyOneDevice(Callback):
         normalized = stand_in.loss_normalization is not None
         micro_batches = [b for batches in data for b in batches]
         one_process = _OneProcess(trainer, stand_in)
-        plain, dtype, window_loss = _replay(self._plain, micro_batches, one_process)
-        reference = {_WRAPPERS.sub("", n): p.grad for n, p in plain.named_parameters(remove_duplicate=False)}
         k = len(data[0])
+        plain, dtype, window_loss, pooled = _replay(self._plain, data, one_process)
+        reference = {_WRAPPERS.sub("", n): p.grad for n, p in plain.named_parameters(remove_duplicate=False)}
         pipeline = _pipeline_options(trainer)
         # Lightning reports each micro-batch's loss over k; a pipeline's is its share of the window already
         parallel_loss = sum(losses.values()) * (k if pipeline else 1) / (1 if normalized else len(data))
@@ -214,7 +218,10 @@ class VerifyOneDevice(Callback):
         bad = [r for r in rows if r[1] > rtol]
         loss_err, norm_err = _relative(parallel_loss, ref_loss), _relative(norm, ref_norm)
         window = (
-            _WindowCheck.of(self._plain, micro_batches, one_process, dtype, reference, ref_loss, ref_norm)
+            _WindowCheck.of(
+                self._plain, [[b[m] for b in data] for m in range(k)] if pooled else [micro_batches],
+                one_process, dtype, reference, ref_loss, ref_norm,
+            )
             if self.whole_window and stand_in.loss_reduction == "mean" and stand_in.loss_normalization != "sample_mean"
             and callable(getattr(plain, "count_tokens", None))
             else None
@@ -363,14 +370,24 @@ def _on_cpu(batch: Any) -> Any:
 
 
 def _replay(
-    plain: pl.LightningModule, batches: list[tuple[int, Any]], trainer: _OneProcess
-) -> tuple[pl.LightningModule, torch.dtype, float]:
+    plain: pl.LightningModule, data: list[list[tuple[int, Any]]], trainer: _OneProcess
+) -> tuple[pl.LightningModule, torch.dtype, float, bool]:
     """A copy of ``plain`` holding the window's gradient, in float64 if the module runs in it (else
-    float32), its dtype and the window's loss."""
+    float32), its dtype, the window's loss, and whether its steps return a ``"load_balancing_loss"``.
+
+    ``data`` holds each data rank's micro-batches. A step that returns a load-balancing loss (of the global
+    micro-batch: every data rank's micro-batch ``m``) is replayed twice: once to sum each global micro-batch's
+    routing statistics, and again with them (:class:`~lightning_ndclip.core.load_balance.PooledRouting`)."""
+    pieces = [(m, batch) for batches in data for m, batch in enumerate(batches)]
     for dtype in (torch.float64, torch.float32):
         model = _copy(plain, trainer, dtype)
         try:
-            return model, dtype, _accumulate(model, batches, trainer.strategy, dtype)
+            pool = PooledRouting()
+            window = _accumulate(model, pieces, trainer.strategy, dtype, pool.record)
+            if pool.used:
+                model.zero_grad(set_to_none=True)
+                window = _accumulate(model, pieces, trainer.strategy, dtype, pool.apply)
+            return model, dtype, window, pool.used
         except (RuntimeError, TypeError):
             if dtype == torch.float32:
                 raise
@@ -387,22 +404,31 @@ def _copy(plain: pl.LightningModule, trainer: _OneProcess, dtype: torch.dtype) -
 
 
 def _accumulate(
-    model: pl.LightningModule, batches: list[tuple[int, Any]], strategy: _OneProcessStrategy, dtype: torch.dtype
+    model: pl.LightningModule,
+    pieces: list[tuple[int, tuple[int, Any]]],
+    strategy: _OneProcessStrategy,
+    dtype: torch.dtype,
+    routing: Callable[[int], AbstractContextManager[None]],
 ) -> float:
-    """Run ``training_step`` on every micro-batch, its loss weighted as one device would weigh it, and
-    backward; returns the window's loss."""
-    cast = [(i, _cast(b, dtype)) for i, b in batches]
+    """Run ``training_step`` on every micro-batch (``(its index in its window, (batch_idx, batch))``), each inside
+    ``routing(index)``, its loss weighted as one device would weigh it, a load-balancing loss as the mean over the
+    window's micro-batches, and backward; returns the window's loss."""
+    cast = [(i, _cast(b, dtype)) for _, (i, b) in pieces]
     if strategy.loss_normalization == "sample_mean":
         weights: list[Any] = _sample_weights(model, cast)
     else:
         weights = _token_weights(model, cast, strategy.loss_reduction)
+    k = 1 + max(m for m, _ in pieces)
     window = torch.zeros((), dtype=torch.float64)
-    for (batch_idx, batch), weight in zip(cast, weights):
-        loss = _training_step(model, batch_idx, batch)
+    for (m, _), (batch_idx, batch), weight in zip(pieces, cast, weights):
+        with routing(m):
+            loss, balancing = _training_step(model, batch_idx, batch)
         if loss is None:  # a skipped micro-batch, as Lightning skips it
             continue
         with torch.enable_grad():
             weighted = weight(loss) if callable(weight) else (loss * weight.to(loss.dtype)).sum()
+            if balancing is not None:
+                weighted = weighted + balancing / k
             weighted.backward()
         window += weighted.detach().double()
     return float(window)
@@ -412,14 +438,16 @@ def _cast(batch: Any, dtype: torch.dtype) -> Any:
     return apply_to_collection(batch, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
-def _training_step(model: pl.LightningModule, batch_idx: int, batch: Any) -> torch.Tensor | None:
-    """The loss ``training_step`` returns (``None`` for none), with gradients enabled."""
+def _training_step(model: pl.LightningModule, batch_idx: int, batch: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The loss ``training_step`` returns (``None`` for none) and its ``"load_balancing_loss"`` (or ``None``), with
+    gradients enabled."""
     with torch.enable_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log on the stand-in trainer
         with_index = is_param_in_hook_signature(model.training_step, "batch_idx", min_args=2)
         out = model.training_step(batch, batch_idx) if with_index else model.training_step(batch)
     loss = out["loss"] if isinstance(out, Mapping) else out
-    return loss if isinstance(loss, torch.Tensor) else None
+    balancing = out.get(LOAD_BALANCING_KEY) if isinstance(out, Mapping) else None
+    return (loss if isinstance(loss, torch.Tensor) else None), balancing
 
 
 def _token_weights(model: pl.LightningModule, batches: list[tuple[int, Any]], reduction: str) -> list[Any]:
@@ -433,7 +461,8 @@ def _token_weights(model: pl.LightningModule, batches: list[tuple[int, Any]], re
     total = max(sum(counts), 1.0)
 
     def share(n: float) -> Any:
-        return lambda loss: loss.sum() / total if loss.dim() or reduction == "sum" else loss * (n / total)
+        # a mean over no token is nan (0 / 0): it weighs 0, as the strategy weighs it
+        return lambda loss: loss.sum() / total if loss.dim() or reduction == "sum" else loss.nan_to_num(0.0) * (n / total)
 
     return [share(n) for n in counts]
 
@@ -510,32 +539,41 @@ class _WindowCheck:
     @staticmethod
     def of(
         plain: pl.LightningModule,
-        batches: list[tuple[int, Any]],
+        groups: list[list[tuple[int, Any]]],
         trainer: _OneProcess,
         dtype: torch.dtype,
         reference: dict[str, torch.Tensor | None],
         ref_loss: float,
         ref_norm: float,
     ) -> _WindowCheck:
+        """``groups``: the whole window as one group; or, for steps that return a load-balancing loss (of each global
+        micro-batch), each global micro-batch (the data ranks' micro-batch ``m``) as one batch, its mean weighted by
+        its ``count_tokens`` and its load-balancing loss by ``1 / k``."""
         try:
-            batch = _cast(_concatenated([b for _, b in batches]), dtype)
+            joined = [_cast(_concatenated([b for _, b in group]), dtype) for group in groups]
         except _Unaligned as error:
             return _WindowCheck(skipped=f"not checked: the micro-batches do not concatenate ({error})")
         model = _copy(plain, trainer, dtype)
+        value = 0.0
         try:
-            loss = _training_step(model, batches[0][0], batch)
-            if loss is None or loss.dim():
-                return _WindowCheck(skipped="not checked: training_step returns no mean (per-token losses, or none)")
-            if not torch.isfinite(loss):
-                return _WindowCheck(skipped="not checked: the whole window's mean is not finite (no valid token?)")
-            with torch.enable_grad():
-                loss.backward()
+            counts = [float(model.count_tokens(b)) for b in joined] if len(groups) > 1 else [1.0]  # type: ignore[operator]
+            for group, batch, count in zip(groups, joined, counts):
+                loss, balancing = _training_step(model, group[0][0], batch)
+                if loss is None or loss.dim():
+                    return _WindowCheck(skipped="not checked: training_step returns no mean (per-token losses, or none)")
+                if count and not torch.isfinite(loss):
+                    return _WindowCheck(skipped="not checked: the whole window's mean is not finite (no valid token?)")
+                with torch.enable_grad():
+                    weighted = loss * (count / max(sum(counts), 1.0)) if count else torch.zeros_like(loss)
+                    if balancing is not None:
+                        weighted = weighted + balancing / len(groups)
+                    weighted.backward()
+                value += float(weighted.detach())
         except Exception as error:  # a step written for its micro-batch size: the check is left out, not the run
             failed = f"{type(error).__name__}: {error}"
             return _WindowCheck(skipped=f"not checked: training_step failed on the whole window ({failed})")
         grads = {_WRAPPERS.sub("", n): p.grad for n, p in model.named_parameters(remove_duplicate=False)}
         rows = _rows(grads, reference, [], [], ref_norm)
-        value = float(loss.detach())
         return _WindowCheck(value, _relative(value, ref_loss), rows[0] if rows else None)
 
     def differs(self, rtol: float) -> bool:
@@ -554,8 +592,10 @@ class _WindowCheck:
             f"count_tokens (loss rel. error {self.loss_error:.1e}{worst}): count_tokens must count exactly the "
             "tokens the loss averages over (a model's own loss that shifts the labels, as transformers' "
             "`labels=` does, averages over labels[:, 1:]), and a loss that is not a mean over tokens (an MoE "
-            "router's auxiliary loss, batch statistics) cannot equal one device once split into micro-batches "
-            "(VerifyOneDevice(whole_window=False) leaves this check out)"
+            "router's auxiliary loss computed per rank, batch statistics) cannot equal one device once split into "
+            "micro-batches: for a transformers MoE, return lightning_ndclip.router_aux_loss(...) as "
+            "'load_balancing_loss' (docs/howto/moe-balancing.md; VerifyOneDevice(whole_window=False) leaves this "
+            "check out)"
         )
 
 
