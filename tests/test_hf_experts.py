@@ -5,17 +5,13 @@ trained on dp_shard=4 x ep=2 with accumulation, the exact token mean and GlobalN
 
 from __future__ import annotations
 
-import warnings
-
-import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 from harness import run_on_ranks
 from helpers import use_existing_process_group
 from hf_families import EXPERT_FAMILIES, tiny_causal_lm
-from test_callbacks import Recorder
-from test_hf_families import _FamilyModule
+from test_hf_families import _FamilyModule, _fit
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -150,29 +146,18 @@ _WRAPPED = "_checkpoint_wrapped_module."
 
 def _fit_case(family: str, ep: int, recompute: bool = False, tp: int = 1) -> dict:
     use_existing_process_group()
-    recorder = Recorder()
     module = _FamilyModule(family, _data(), batch=BATCH * tp)  # every step covers all 16 rows
     layer = type(module.lm.model.layers[0])
     plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=[layer], activation_checkpointing=[layer] if recompute else [])
     strategy = nd.NDParallelStrategy(dp_shard=4 // tp, tp=tp, ep=ep, plan=plan, loss_normalization="token_mean", summary=False)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=2,
-        callbacks=[verify := nd.VerifyOneDevice(), nd.GlobalNormClip(MAX_NORM)], logger=recorder, log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(module)
+    trainer, logged = _fit(module, strategy, STEPS)
     experts = {n: p for n, p in module.lm.named_parameters() if ".experts." in n}
     return {
-        "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m],
+        **logged,
         "params": {n.replace(_WRAPPED, ""): p.detach().full_tensor() for n, p in module.lm.named_parameters()},
         "experts_here": {n: p.to_local().shape[0] for n, p in experts.items()},
         "experts_meshes": {tuple(p.device_mesh.mesh_dim_names) for p in experts.values()},
-        "experts_placements": {n: str(p.placements) for n, p in experts.items()},
-        "verified": verify.report,
         "summary": [n for n in nd.summarize(module, trainer.strategy.meshes).notes if n.startswith("Experts")],
-        "view_warnings": sorted({str(w.message)[:80] for w in caught if "returned a view tensor" in str(w.message)}),
     }
 
 

@@ -101,32 +101,41 @@ def _sharded_over_tp(param: torch.Tensor) -> bool:
     return "tp" in names and not param.placements[names.index("tp")].is_replicate()  # Shard, or _StridedShard
 
 
-def _fit_case(family: str, export_to: str | None = None) -> dict:
-    use_existing_process_group()
+def _fit(module: L.LightningModule, strategy: nd.NDParallelStrategy, steps: int) -> tuple[L.Trainer, dict]:
+    """Train ``module`` on 4 CPU ranks (accumulation 2, ``VerifyOneDevice``, ``GlobalNormClip``): the trainer, and what
+    the run logged (losses, norms), reported (``verified``) and warned of FSDP2 views (``view_warnings``)."""
     recorder = Recorder()
-    module = _FamilyModule(family)
-    units = {type(module.lm.base_model.layers[0])}  # the decoder layer, each one FSDP2 unit
-    plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=sorted(units, key=lambda c: c.__name__))
-    strategy = nd.NDParallelStrategy(dp_shard=2, tp=2, plan=plan, loss_normalization="token_mean", summary=False)
     trainer = L.Trainer(
-        accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=2,
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, accumulate_grad_batches=2,
         callbacks=[verify := nd.VerifyOneDevice(), nd.GlobalNormClip(MAX_NORM)], logger=recorder, log_every_n_steps=1,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module)
+    return trainer, {
+        "losses": [m["train_loss"] for _, m in recorder.rows if "train_loss" in m],
+        "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m],
+        "view_warnings": sorted({str(w.message)[:80] for w in caught if "returned a view tensor" in str(w.message)}),
+        "verified": verify.report,
+    }
+
+
+def _fit_case(family: str, export_to: str | None = None) -> dict:
+    use_existing_process_group()
+    module = _FamilyModule(family)
+    units = {type(module.lm.base_model.layers[0])}  # the decoder layer, each one FSDP2 unit
+    plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=sorted(units, key=lambda c: c.__name__))
+    strategy = nd.NDParallelStrategy(dp_shard=2, tp=2, plan=plan, loss_normalization="token_mean", summary=False)
+    _, logged = _fit(module, strategy, STEPS)
     if export_to is not None:  # the trained model back as a Hugging Face checkpoint, and its logits here
         nd.save_hf_checkpoint(module.lm, export_to, max_shard_bytes=4096)  # several shards
         with torch.no_grad():
             return {"logits": module.lm(input_ids=_data()[0]).logits}
     return {
-        "losses": [m["train_loss"] for _, m in recorder.rows if "train_loss" in m],
-        "norms": [m["grad_norm/total"] for _, m in recorder.rows if "grad_norm/total" in m],
+        **logged,
         "params": {n: p.detach().full_tensor() for n, p in module.lm.named_parameters()},
         "tp_split": sorted(n for n, p in module.lm.named_parameters() if _sharded_over_tp(p)),
-        "view_warnings": sorted({str(w.message)[:80] for w in caught if "returned a view tensor" in str(w.message)}),
-        "verified": verify.report,
     }
 
 
