@@ -201,15 +201,24 @@ def test_a_parallelized_model_loads_each_shard_from_a_sharded_checkpoint(family,
             torch.testing.assert_close(result["logits"], reference(TOKENS).logits, rtol=1e-5, atol=1e-6)
 
 
+def checkpoint_on_meta(directory: str) -> nn.Module:
+    """The checkpoint's model, built from its config on the meta device, as a big model must be."""
+    config = transformers.AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model.tie_weights()  # transformers 5.0 skips it on the meta device; later releases tie already
+    return model
+
+
 class _MetaLM(L.LightningModule):
-    def __init__(self, config) -> None:
+    """A checkpoint's model built on the meta device, for the strategy to load: one SGD step."""
+
+    def __init__(self, directory: str) -> None:
         super().__init__()
-        with torch.device("meta"):
-            self.lm = transformers.LlamaForCausalLM(config)
-        self.lm.tie_weights()
+        self.lm = checkpoint_on_meta(directory)
 
     def count_tokens(self, batch) -> torch.Tensor:
-        return torch.tensor(batch[0].numel())
+        return torch.tensor(batch[0][:, 1:].numel())
 
     def training_step(self, batch, batch_idx):
         (tokens,) = batch
@@ -219,17 +228,17 @@ class _MetaLM(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    def train_dataloader(self):
+    def train_dataloader(self):  # one row per data rank on dp_shard=4 (TOKENS twice)
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(TOKENS.repeat(2, 1)), batch_size=1)
 
 
-def _strategy_case(directory: str) -> dict:
+def strategy_case(directory: str, dp_shard: int = 2, tp: int = 2, ep: int = 1) -> dict:
+    """One step of the strategy loading ``directory`` (``hf_checkpoint=``) on 4 ranks: every parameter, whole."""
     use_existing_process_group()
-    config = transformers.AutoConfig.from_pretrained(directory)
-    module = _MetaLM(config)
+    module = _MetaLM(directory)
     plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=[type(module.lm.model.layers[0])])
-    strategy = nd.NDParallelStrategy(dp_shard=2, tp=2, plan=plan, loss_normalization="token_mean", summary=False,
-                                     hf_checkpoint=directory)  # fmt: skip
+    strategy = nd.NDParallelStrategy(dp_shard=dp_shard, tp=tp, ep=ep, plan=plan, loss_normalization="token_mean",
+                                     summary=False, hf_checkpoint=directory)  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_steps=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -246,7 +255,7 @@ def test_the_strategy_loads_the_checkpoint_into_the_parallelized_model(tmp_path)
     logits = reference(input_ids=tokens[:, :-1]).logits
     nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     optimizer.step()
-    trained = run_on_ranks(4, _strategy_case, str(tmp_path))[0]
+    trained = run_on_ranks(4, strategy_case, str(tmp_path))[0]
     expected = dict(reference.named_parameters())
     assert trained.keys() == expected.keys()
     for name, value in expected.items():

@@ -9,12 +9,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
 
-import lightning as L
 import pytest
 import torch
 from harness import run_on_ranks
-from helpers import use_existing_process_group
 from hf_families import tiny_causal_lm
+from test_hf_load import TOKENS, checkpoint_on_meta, strategy_case
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -46,19 +45,10 @@ CASES = [  # GPT-OSS ships its experts packed (no conversion), with biases that 
 ]
 
 
-def _on_meta(directory: str) -> nn.Module:
-    """The checkpoint's model, built from its config on the meta device, as a big model must be."""
-    config = transformers.AutoConfig.from_pretrained(directory)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    model.tie_weights()
-    return model
-
-
 def _parallelized(directory: str, layout: str) -> nn.Module:
     """Built on meta and parallelized as NDParallelStrategy(plan=ParallelPlan(...)) does: the model's own plans, each
     decoder layer one FSDP2 unit (the experts their own, over edp, under ep)."""
-    model = _on_meta(directory)
+    model = checkpoint_on_meta(directory)
     meshes = nd.ParallelDims(world_size=4, **LAYOUTS[layout]).build_mesh("cpu")
     own_plans = "ep" in LAYOUTS[layout] or "tp" in LAYOUTS[layout]
     plan = nd.ParallelPlan(tp_plan="auto" if own_plans else None, fsdp_units=[type(model.model.layers[0])])
@@ -197,49 +187,10 @@ def test_a_missing_a_surplus_or_a_misshapen_expert_is_refused_naming_it(tmp_path
         edited = dict(stored)
         change(edited)
         save_file(edited, tmp_path / "model.safetensors", metadata={"format": "pt"})
-        model = _on_meta(str(tmp_path))
+        model = checkpoint_on_meta(str(tmp_path))
         with pytest.raises(ValueError, match=expected):
             nd.load_hf_checkpoint(model, tmp_path)
         assert all(p.is_meta for p in model.parameters()), "refused before anything is allocated"
-
-
-TOKENS = torch.randint(3, 32, (2, 8), generator=torch.Generator().manual_seed(0))
-
-
-class _MetaLM(L.LightningModule):
-    """A checkpoint's model built from its config on the meta device, for the strategy to load: one SGD step."""
-
-    def __init__(self, directory: str) -> None:
-        super().__init__()
-        self.lm = _on_meta(directory)
-
-    def count_tokens(self, batch) -> torch.Tensor:
-        return torch.tensor(batch[0][:, 1:].numel())
-
-    def training_step(self, batch, batch_idx):
-        (tokens,) = batch
-        logits = self.lm(input_ids=tokens[:, :-1]).logits
-        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self):  # one row per data rank: TOKENS twice over dp_shard=4
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(TOKENS.repeat(2, 1)), batch_size=1)
-
-
-def _strategy_case(directory: str) -> dict:
-    use_existing_process_group()
-    module = _MetaLM(directory)
-    plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=[type(module.lm.model.layers[0])])
-    strategy = nd.NDParallelStrategy(dp_shard=4, ep=2, plan=plan, loss_normalization="token_mean", summary=False,
-                                     hf_checkpoint=directory)  # fmt: skip
-    trainer = L.Trainer(
-        accelerator="cpu", devices=4, strategy=strategy, max_steps=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    trainer.fit(module)
-    return {n: p.detach().full_tensor() for n, p in module.lm.named_parameters()}
 
 
 def test_the_strategy_loads_a_hub_moe_checkpoint_with_its_experts_over_ep(tmp_path):
@@ -250,7 +201,7 @@ def test_the_strategy_loads_a_hub_moe_checkpoint_with_its_experts_over_ep(tmp_pa
     logits = reference(input_ids=TOKENS[:, :-1]).logits
     nn.functional.cross_entropy(logits.flatten(0, 1), TOKENS[:, 1:].flatten()).backward()
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
-    trained = run_on_ranks(4, _strategy_case, str(tmp_path))[0]
+    trained = run_on_ranks(4, strategy_case, str(tmp_path), 4, 1, 2)[0]  # dp_shard=4 x ep=2
     expected = dict(reference.named_parameters())
     assert trained.keys() == expected.keys()
     for name, value in expected.items():
