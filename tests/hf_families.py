@@ -60,11 +60,11 @@ EXPERT_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def tiny_causal_lm(family: str) -> nn.Module:
+def tiny_causal_lm(family: str, **overrides: Any) -> nn.Module:
     import transformers
 
     config_class, model_class, extra = {**EXPERT_FAMILIES, **FAMILIES}[family]
-    arguments = {**COMMON, **extra}
+    arguments = {**COMMON, **extra, **overrides}
     arguments = {k: v for k, v in arguments.items() if v is not None}
     config = getattr(transformers, config_class)(**arguments)
     torch.manual_seed(0)

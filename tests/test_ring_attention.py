@@ -168,3 +168,62 @@ def test_bad_kv_exchange_and_block_size_raise():
         context_parallel_attention(q, k, v, group=None, positions=torch.arange(4), kv_exchange="allgather")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="block_size must be a positive number of keys or None, got 0"):
         ring_attention(q, k, v, group=dist.group.WORLD, positions=torch.arange(4), block_size=0)
+
+
+def _features_reference(window, softcap, sinks_on) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One-device float64 attention, written out (softmax over masked, capped scores and a sink column)."""
+    q, k, v, w = _inputs()
+    sinks = torch.linspace(-1.0, 1.5, H, dtype=torch.float64).requires_grad_()
+    allowed = _mask(True, None) & (_DOCS[:, :, None] == _KEY_DOCS[:, None, :])[:, None]
+    if window is not None:
+        allowed = allowed & ~torch.tril(torch.ones(S, S, dtype=torch.bool), diagonal=-window)
+    s = q @ k.transpose(-2, -1) * SCALE
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~allowed, float("-inf"))
+    if sinks_on:
+        s = torch.cat([s, sinks.view(1, H, 1, 1).expand(B, H, S, 1)], dim=-1)
+    out = torch.softmax(s, dim=-1)[..., :S] @ v
+    (out * w).sum().backward()
+    return out.detach(), [q.grad, k.grad, v.grad] + ([sinks.grad] if sinks_on else [])
+
+
+SCALE = 0.3
+_DOCS = torch.tensor([[0] * 20 + [1] * 28, [0] * 48])  # queries' document ids
+_KEY_DOCS = torch.where(torch.tensor([[i in (4, 5, 30) for i in range(S)]] * B), -1, _DOCS)  # padding keys: -1
+
+
+def _features_versus_reference(window, softcap, sinks_on) -> float:
+    ref_out, ref_grads = _features_reference(window, softcap, sinks_on)
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    sinks = torch.linspace(-1.0, 1.5, H, dtype=torch.float64).requires_grad_() if sinks_on else None
+
+    def attend(q, k, v, positions, local_ids):
+        key_ids = shard_sequence(_KEY_DOCS, rank, cp, dim=1, load_balance=True)[0]
+        return ring_attention(q, k, v, group=dist.group.WORLD, positions=positions, is_causal=True,
+                              sample_ids=local_ids, kv_sample_ids=key_ids, window=window, scale=SCALE,
+                              softcap=softcap, sinks=sinks, block_size=5)
+
+    out, grads, positions = _sharded(_DOCS, True, attend)
+    errors = [_relative_error(out, ref_out.index_select(2, positions))]
+    errors += [_relative_error(g, ref.index_select(2, positions)) for g, ref in zip(grads, ref_grads)]
+    if sinks is not None:  # each rank's gradient covers its own queries: summed over the ranks
+        dist.all_reduce(sinks.grad)
+        errors.append(_relative_error(sinks.grad, ref_grads[-1]))
+    return max(errors)
+
+
+@pytest.mark.parametrize(
+    "window, softcap, sinks_on", [(7, None, False), (None, 2.0, False), (None, None, True), (5, 1.5, True)]
+)
+def test_window_padding_keys_scale_softcap_and_sinks_equal_one_device(window, softcap, sinks_on):
+    # transformers' features: a sliding window, padding masked as a key only, a custom scale, Gemma 2's
+    # soft-capping, GPT-OSS's sinks; the reference writes each out on the whole sequence
+    assert max(run_on_ranks(4, _features_versus_reference, window, softcap, sinks_on)) < TOLERANCE
+
+
+def test_the_features_check_fails_without_the_feature():
+    # the reference differs from plain causal attention in each feature: the test above can fail
+    base_out, _ = _features_reference(None, None, False)
+    for case in [(7, None, False), (None, 2.0, False), (None, None, True)]:
+        assert _relative_error(_features_reference(*case)[0], base_out) > 1e-2

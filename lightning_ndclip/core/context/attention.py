@@ -31,7 +31,7 @@ Parameters are replicated over cp; their gradients must be summed over cp (FSDP2
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -114,6 +114,9 @@ def context_parallel_attention(
     positions: torch.Tensor,
     is_causal: bool = False,
     sample_ids: torch.Tensor | None = None,
+    kv_sample_ids: torch.Tensor | None = None,
+    window: int | None = None,
+    scale: float | None = None,
     kv_exchange: Literal["ring", "all_gather"] = "ring",
 ) -> torch.Tensor:
     """Exact attention of local queries over the whole (cp-sharded) sequence.
@@ -125,6 +128,8 @@ def context_parallel_attention(
         is_causal: mask keys at later global positions.
         sample_ids: ``[batch, local_seq]`` packed-sample ids of the local tokens (``-1`` padding):
             tokens attend only within their sample (padding queries attend to padding only).
+        kv_sample_ids, window, scale: the keys' own ids, a sliding window and the score scale, as in
+            :func:`~lightning_ndclip.core.context.ring_attention.ring_attention`.
         kv_exchange: ``"ring"``: K/V blocks passed round the cp ring, O(S/cp) memory per rank
             (:func:`~lightning_ndclip.core.context.ring_attention.ring_attention`, key tiles of 1024);
             ``"all_gather"``: the whole K/V gathered on every rank, memory growing with S. Unused
@@ -134,18 +139,32 @@ def context_parallel_attention(
         ``[batch, heads, local_seq, head_dim]``, equal to the matching rows of single-device attention.
 
     Raises:
-        ValueError: if ``kv_exchange`` is neither ``"ring"`` nor ``"all_gather"``.
+        ValueError: if ``kv_exchange`` is neither ``"ring"`` nor ``"all_gather"``, or as
+            :func:`~lightning_ndclip.core.context.ring_attention.ring_attention` for the other arguments.
     """
     if kv_exchange not in ("ring", "all_gather"):
         raise ValueError(f"kv_exchange must be 'ring' or 'all_gather', got {kv_exchange!r}")
+    if window is not None and (window < 1 or not is_causal):
+        raise ValueError(f"window must be a positive number of positions, with is_causal=True; got {window}")
+    kv_ids = sample_ids if kv_sample_ids is None else kv_sample_ids
+    if kv_ids is not None and sample_ids is None:
+        raise ValueError("kv_sample_ids needs sample_ids (the queries' ids)")
+    rule = _Attend(is_causal, window, scale)
     if group is None or dist.get_world_size(group) == 1:
-        return _masked_attention(q, k, v, positions, positions, sample_ids, sample_ids, is_causal)
+        return _masked_attention(q, k, v, positions, positions, sample_ids, kv_ids, rule)
     if kv_exchange == "ring":
-        return ring_attention(q, k, v, group=group, positions=positions, is_causal=is_causal, sample_ids=sample_ids)
-    kv_ids = _gather(sample_ids, group, 1) if sample_ids is not None else None
+        return ring_attention(q, k, v, group=group, positions=positions, is_causal=is_causal, sample_ids=sample_ids,
+                              kv_sample_ids=kv_sample_ids, window=window, scale=scale)  # fmt: skip
+    kv_ids = _gather(kv_ids, group, 1) if kv_ids is not None else None
     return _masked_attention(
-        q, _gather(k, group, 2), _gather(v, group, 2), positions, _gather(positions, group, 0), sample_ids, kv_ids, is_causal
+        q, _gather(k, group, 2), _gather(v, group, 2), positions, _gather(positions, group, 0), sample_ids, kv_ids, rule
     )
+
+
+class _Attend(NamedTuple):
+    is_causal: bool
+    window: int | None
+    scale: float | None
 
 
 def _masked_attention(
@@ -156,12 +175,14 @@ def _masked_attention(
     kv_positions: torch.Tensor,
     sample_ids: torch.Tensor | None,
     kv_ids: torch.Tensor | None,
-    is_causal: bool,
+    rule: _Attend,
 ) -> torch.Tensor:
     mask = None
-    if is_causal:
-        mask = (kv_positions[None, :] <= positions[:, None])[None, None]  # [1, 1, q, kv]
+    if rule.is_causal:
+        behind = positions[:, None] - kv_positions[None, :]  # [q, kv]
+        allowed = behind >= 0 if rule.window is None else (behind >= 0) & (behind < rule.window)
+        mask = allowed[None, None]  # [1, 1, q, kv]
     if sample_ids is not None and kv_ids is not None:
         same = (sample_ids[:, :, None] == kv_ids[:, None, :])[:, None]  # [batch, 1, q, kv]
         mask = same if mask is None else mask & same
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=rule.scale)

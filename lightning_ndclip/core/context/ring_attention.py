@@ -22,6 +22,12 @@ The backward recomputes each block's probabilities from the saved final ``lse``:
 
 so each term needs one key block and this rank's ``q``, ``dO``, ``out``, ``lse`` only.
 
+**transformers' variants.** A soft cap replaces ``s_ij`` by ``c·tanh(s_ij / c)`` before masking, and
+the backward multiplies ``ds_ij`` by its derivative ``1 - tanh²(s_ij / c)``. A sliding window masks keys
+``window`` or more positions behind the query. A sink is one more key per head with logit ``σ_h`` and a
+zero value: after the last block it is merged like any block (``lse_i ← logaddexp(lse_i, σ_h)``, ``out_i``
+rescaled), the backward uses that final ``lse``, and ``dσ_h = -Σ_i exp(σ_h - lse_i) delta_i``.
+
 **Communication.** The ranks of the cp group form a ring. Forward: at each of ``cp`` steps every
 rank computes on the K/V block it holds (its own first) while sending that block, with its tokens'
 global positions and sample ids, to the next rank and receiving the previous rank's, so the next
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -65,35 +72,74 @@ def ring_attention(
     positions: torch.Tensor,
     is_causal: bool = False,
     sample_ids: torch.Tensor | None = None,
+    kv_sample_ids: torch.Tensor | None = None,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     block_size: int | None = 1024,
 ) -> torch.Tensor:
     """Exact attention of local queries over the whole cp-sharded sequence, K/V passed round a ring.
 
     What :func:`~lightning_ndclip.core.context.attention.context_parallel_attention` runs by default
-    (``kv_exchange="ring"``); call it directly to choose ``block_size``.
+    (``kv_exchange="ring"``); call it directly to choose ``block_size`` or for soft-capping and sinks.
 
     Args:
         q, k, v: local ``[batch, heads, local_seq, head_dim]`` tensors, the same ``local_seq`` on
-            every rank of ``group``.
+            every rank of ``group`` (``v`` may have its own head dim).
         group: the cp process group (of any size, 1 included).
         positions: global positions of the local tokens (from
             :func:`~lightning_ndclip.core.context.attention.shard_sequence`), ``[local_seq]``.
         is_causal: mask keys at later global positions.
         sample_ids: ``[batch, local_seq]`` packed-sample ids of the local tokens (``-1`` padding):
             tokens attend only within their sample (padding queries attend to padding only).
-        block_size: keys per tile: the score-sized buffers (one in forward, two in backward) are
-            ``[batch, heads, local_seq, block_size]``; ``None``: a whole block (``local_seq`` keys).
+        kv_sample_ids: the ids the local tokens have as keys, if not ``sample_ids`` (a query attends
+            to a key when its ``sample_ids`` entry equals the key's ``kv_sample_ids`` entry): e.g. a
+            padding key given ``-1`` and its query its document's id, so padding is masked as a key
+            only (``transformers``' padding mask).
+        window: with ``is_causal``, a query attends to the ``window`` latest positions up to its own
+            (keys ``j`` with ``i - window < j <= i``; ``transformers``' ``sliding_window``).
+        scale: the score scale, ``head_dim ** -0.5`` by default.
+        softcap: scores ``s`` become ``softcap * tanh(s / softcap)`` before masking (Gemma 2).
+        sinks: ``[heads]`` logits of one extra key per head with a zero value: it takes its share of
+            every row's softmax and gets its gradient (GPT-OSS's attention sinks).
+        block_size: keys per tile: the score-sized buffers (one in forward, two in backward, three
+            with ``softcap``) are ``[batch, heads, local_seq, block_size]``; ``None``: a whole block.
 
     Returns:
-        ``[batch, heads, local_seq, head_dim]``, equal to the matching rows of single-device
-        attention; its backward gives exact q, k, v gradients.
+        ``[batch, heads, local_seq, v_head_dim]``, equal to the matching rows of single-device
+        attention; its backward gives exact q, k, v (and ``sinks``) gradients.
 
     Raises:
-        ValueError: if ``block_size`` is not positive.
+        ValueError: if ``block_size`` is not positive, ``window`` is not positive or given without
+            ``is_causal``, or ``kv_sample_ids`` is given without ``sample_ids``.
     """
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be a positive number of keys or None, got {block_size}")
-    return _RingAttention.apply(q, k, v, positions, sample_ids, group, is_causal, block_size)
+    if window is not None and (window < 1 or not is_causal):
+        raise ValueError(f"window must be a positive number of positions, with is_causal=True; got {window}")
+    if kv_sample_ids is not None and sample_ids is None:
+        raise ValueError("kv_sample_ids needs sample_ids (the queries' ids)")
+    mask = _MaskRule(is_causal, window)
+    options = _Options(q.shape[-1] ** -0.5 if scale is None else scale, softcap, block_size)
+    kv_ids = sample_ids if kv_sample_ids is None else kv_sample_ids
+    q_meta, kv_meta = _meta(positions, sample_ids), _meta(positions, kv_ids)
+    return _RingAttention.apply(q, k, v, sinks, q_meta, kv_meta, group, mask, options)
+
+
+@dataclass(frozen=True)
+class _MaskRule:
+    """Which keys a query may not attend to, besides other samples: later ones, ones out of the window."""
+
+    is_causal: bool
+    window: int | None
+
+
+@dataclass(frozen=True)
+class _Options:
+    scale: float
+    softcap: float | None
+    block_size: int | None
 
 
 class _Ring:
@@ -146,12 +192,14 @@ def _meta(positions: torch.Tensor, sample_ids: torch.Tensor | None) -> torch.Ten
     return torch.cat([r.to(torch.int64) for r in rows])
 
 
-def _tile_mask(q_meta: torch.Tensor, kv_meta: torch.Tensor, cols: slice, is_causal: bool) -> torch.Tensor | None:
+def _tile_mask(q_meta: torch.Tensor, kv_meta: torch.Tensor, cols: slice, rule: _MaskRule) -> torch.Tensor | None:
     """``[batch or 1, 1, queries, keys]``, True where a local query may not attend to a key of the
     ``cols`` tile; ``None`` when it may attend to every one."""
     masked = None
-    if is_causal:
-        masked = (kv_meta[0, None, cols] > q_meta[0, :, None])[None, None]
+    if rule.is_causal:
+        behind = q_meta[0, :, None] - kv_meta[0, None, cols]  # how far each key is behind each query
+        masked = behind < 0 if rule.window is None else (behind < 0) | (behind >= rule.window)
+        masked = masked[None, None]
     if q_meta.shape[0] > 1:
         other = (q_meta[1:, :, None] != kv_meta[1:, None, cols])[:, None]
         masked = other if masked is None else masked | other
@@ -164,21 +212,21 @@ def _all(masked: torch.Tensor | None) -> torch.Tensor:
 
 
 def _tiles(
-    q_meta: torch.Tensor, kv_meta: torch.Tensor, is_causal: bool, tile: int | None
+    q_meta: torch.Tensor, kv_meta: torch.Tensor, rule: _MaskRule, tile: int | None
 ) -> Iterator[tuple[slice, torch.Tensor | None]]:
     """``(key columns, masked)`` of every key tile of a block that some local query may attend to
     (see :func:`_tile_mask`). Which tiles are entirely masked is read on the host once per block,
     for all its tiles together (one device synchronization per block, not one per tile)."""
     length = kv_meta.shape[1]
     spans = [slice(start, start + (tile or length)) for start in range(0, length, tile or length)]
-    if not is_causal and q_meta.shape[0] == 1:
+    if not rule.is_causal and q_meta.shape[0] == 1:
         yield from ((cols, None) for cols in spans)
         return
     # one tile's mask at a time, here and below: no block-sized mask is ever held
-    skipped = torch.stack([_all(_tile_mask(q_meta, kv_meta, cols, is_causal)) for cols in spans]).tolist()
+    skipped = torch.stack([_all(_tile_mask(q_meta, kv_meta, cols, rule)) for cols in spans]).tolist()
     for cols, skip in zip(spans, skipped):
         if not skip:
-            yield cols, _tile_mask(q_meta, kv_meta, cols, is_causal)
+            yield cols, _tile_mask(q_meta, kv_meta, cols, rule)
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -186,45 +234,60 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == -math.inf, 0.0)
 
 
-def _scores(q_scaled: torch.Tensor, k: torch.Tensor, masked: torch.Tensor | None) -> torch.Tensor:
+def _scores(q_scaled: torch.Tensor, k: torch.Tensor, masked: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
     s = q_scaled @ k.to(q_scaled.dtype).transpose(-2, -1)
+    if softcap is not None:
+        s = s.div_(softcap).tanh_().mul_(softcap)
     return s if masked is None else s.masked_fill_(masked, -math.inf)
 
 
-def _forward_block(q_scaled, k, v, tiles, out: torch.Tensor, lse: torch.Tensor) -> None:
+def _forward_block(q_scaled, k, v, tiles, softcap, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Merge one key block's attention into ``out`` / ``lse`` (in place), tile by tile."""
     for cols, masked in tiles:
-        _forward_tile(q_scaled, k[..., cols, :], v[..., cols, :], masked, out, lse)
+        _forward_tile(q_scaled, k[..., cols, :], v[..., cols, :], masked, softcap, out, lse)
 
 
-def _forward_tile(q_scaled, k, v, masked, out: torch.Tensor, lse: torch.Tensor) -> None:
+def _forward_tile(q_scaled, k, v, masked, softcap, out: torch.Tensor, lse: torch.Tensor) -> None:
     """A tile's normalized output times ``exp(tile_lse - merged)`` is ``Σ_j exp(s_ij - m_i) v_j ·
     exp(m_i - merged)`` (``m_i`` the row max): one score-sized buffer, freed on return."""
-    s = _scores(q_scaled, k, masked)
+    s = _scores(q_scaled, k, masked, softcap)
     row_max = _finite(s.amax(dim=-1, keepdim=True))
     p = s.sub_(row_max).exp_()
-    tile_lse = row_max + p.sum(dim=-1, keepdim=True).log()
-    merged = torch.logaddexp(lse, tile_lse)
+    _merge(out, lse, p @ v.to(p.dtype), row_max + p.sum(dim=-1, keepdim=True).log(), row_max)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, unnormalized: torch.Tensor, part_lse: torch.Tensor, shift) -> None:
+    """Fold a part ``(Σ_j exp(s_ij - shift_i) v_j, its log-sum-exp)`` into ``out`` / ``lse`` (in place)."""
+    merged = torch.logaddexp(lse, part_lse)
     safe = _finite(merged)
-    out.mul_(torch.exp(lse - safe)).add_((p @ v.to(p.dtype)).mul_(torch.exp(row_max - safe)))
+    out.mul_(torch.exp(lse - safe)).add_(unnormalized.mul_(torch.exp(shift - safe)))
     lse.copy_(merged)
 
 
-def _backward_block(q_scaled, k, v, tiles, dout, lse, delta, scale: float, dq, dk, dv) -> None:
+def _backward_block(q_scaled, k, v, tiles, dout, lse, delta, options: _Options, dq, dk, dv) -> None:
     """Add one key block's contributions to ``dq`` and to its ``dk`` / ``dv`` (in place);
     ``lse`` is the final log-sum-exp with ``-inf`` replaced by 0."""
     for cols, masked in tiles:
-        _backward_tile(q_scaled, k[..., cols, :], v[..., cols, :], masked, dout, lse, delta, scale, dq,
-                       dk[..., cols, :], dv[..., cols, :])
+        _backward_tile(
+            q_scaled, k[..., cols, :], v[..., cols, :], masked, dout, lse, delta, options, dq, dk[..., cols, :], dv[..., cols, :]
+        )
 
 
-def _backward_tile(q_scaled, k, v, masked, dout, lse, delta, scale: float, dq, dk, dv) -> None:
-    """Two score-sized buffers (``p``, then ``ds`` in place of ``dp``), freed on return."""
+def _backward_tile(q_scaled, k, v, masked, dout, lse, delta, options: _Options, dq, dk, dv) -> None:
+    """Two score-sized buffers (``p``, then ``ds`` in place of ``dp``), freed on return; with a soft
+    cap a third, ``tanh(s / cap)``, for the cap's derivative ``1 - tanh²``."""
     k, v = k.to(q_scaled.dtype), v.to(q_scaled.dtype)
-    p = _scores(q_scaled, k, masked).sub_(lse).exp_()
+    if options.softcap is None:
+        p = _scores(q_scaled, k, masked, None).sub_(lse).exp_()
+    else:
+        capped = (q_scaled @ k.transpose(-2, -1)).div_(options.softcap).tanh_()
+        s = capped * options.softcap
+        p = (s if masked is None else s.masked_fill_(masked, -math.inf)).sub_(lse).exp_()
     dv += p.transpose(-2, -1) @ dout
     ds = (dout @ v.transpose(-2, -1)).sub_(delta).mul_(p)
-    dq.add_(ds @ k, alpha=scale)
+    if options.softcap is not None:
+        ds.mul_(1 - capped.square_())
+    dq.add_(ds @ k, alpha=options.scale)
     dk += ds.transpose(-2, -1) @ q_scaled
 
 
@@ -232,37 +295,44 @@ class _RingAttention(torch.autograd.Function):
     """Ring attention's forward and backward (see the module docstring); saves only local tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, sample_ids, group, is_causal, block_size):
-        ring, dtype, scale = _Ring(group), _compute_dtype(q.dtype), q.shape[-1] ** -0.5
-        q_scaled, meta = q.to(dtype) * scale, _meta(positions, sample_ids)
+    def forward(ctx, q, k, v, sinks, q_meta, kv_meta, group, mask: _MaskRule, options: _Options):
+        ring, dtype = _Ring(group), _compute_dtype(q.dtype)
+        q_scaled = q.to(dtype) * options.scale
         out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=dtype)
         lse = q.new_full((*q.shape[:-1], 1), -math.inf, dtype=dtype)
-        block = [_pack(k, v), meta]
+        block = [_pack(k, v), kv_meta]
         for step in range(ring.size):
             arriving, works = ring.pass_on(block, step)
-            _forward_block(q_scaled, *_unpack(block[0], k, v), _tiles(meta, block[1], is_causal, block_size), out, lse)
+            held_k, held_v = _unpack(block[0], k, v)
+            _forward_block(
+                q_scaled, held_k, held_v, _tiles(q_meta, block[1], mask, options.block_size), options.softcap, out, lse
+            )
             _wait(works)
             block = arriving
+        if sinks is not None:  # one more key per head, with a zero value: it rescales the rows only
+            sink = sinks.to(dtype).view(1, -1, 1, 1).expand_as(lse)
+            _merge(out, lse, torch.zeros_like(out), sink, sink)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, meta)
-        ctx.group, ctx.is_causal, ctx.block_size = group, is_causal, block_size
+        ctx.save_for_backward(q, k, v, sinks, out, lse, q_meta, kv_meta)
+        ctx.group, ctx.mask, ctx.options = group, mask, options
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, meta = ctx.saved_tensors
-        ring, dtype, scale = _Ring(ctx.group), _compute_dtype(q.dtype), q.shape[-1] ** -0.5
-        q_scaled, dout = q.to(dtype) * scale, dout.to(dtype)
+        q, k, v, sinks, out, lse, q_meta, kv_meta = ctx.saved_tensors
+        options: _Options = ctx.options
+        ring, dtype = _Ring(ctx.group), _compute_dtype(q.dtype)
+        q_scaled, dout = q.to(dtype) * options.scale, dout.to(dtype)
         delta = (dout * out.to(dtype)).sum(-1, keepdim=True)
         lse, dq = _finite(lse), torch.zeros_like(q_scaled)
-        block, sent, size = [_pack(k, v), meta], [], k.numel() + v.numel()
+        block, sent, size = [_pack(k, v), kv_meta], [], k.numel() + v.numel()
         for step in range(ring.size):
             # the held block's accumulator left its previous holder before the next block did: received first
             incoming = [q_scaled.new_empty(size)] if step > 0 else []
             arriving, works = ring.pass_on(block, step, incoming)
             acc = q_scaled.new_zeros(size)
-            tiles = _tiles(meta, block[1], ctx.is_causal, ctx.block_size)
-            _backward_block(q_scaled, *_unpack(block[0], k, v), tiles, dout, lse, delta, scale, dq, *_unpack(acc, k, v))
+            tiles = _tiles(q_meta, block[1], ctx.mask, options.block_size)
+            _backward_block(q_scaled, *_unpack(block[0], k, v), tiles, dout, lse, delta, options, dq, *_unpack(acc, k, v))
             _wait(works + sent)
             if incoming:
                 acc += incoming[0]
@@ -273,4 +343,8 @@ class _RingAttention(torch.autograd.Function):
             _wait(sent + ring.start([], own))
             acc = own[0]
         dk, dv = _unpack(acc, k, v)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        dsinks = None
+        if sinks is not None:  # the sink's probability times (0 - delta), summed over rows
+            p_sink = torch.exp(sinks.to(dtype).view(1, -1, 1, 1) - lse)
+            dsinks = -(p_sink * delta).sum(dim=(0, 2, 3)).to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None
