@@ -135,9 +135,8 @@ class LossWindows:
             total = sync_token_count(counts, group=meshes["dp"].get_group(), problem="; ".join(problems) or None)
             if self.first_window is None:
                 self.first_window = (total.total, "tokens", len(window))
+            # under cp the raw micro-batch's count: the strategy weighs only a loss that is a part of its mean by it
             reduction = self._strategy.loss_reduction
-            if meshes["cp"].size() > 1:  # count_tokens counts the raw batch: a cp shard's own count is unknown
-                return [MicroBatchShare(total, reduction=reduction) for _ in counts]
             return [MicroBatchShare(total, local_tokens=local, reduction=reduction) for local in counts]
         described = []
         for m, batch in enumerate(window):

@@ -135,11 +135,21 @@ def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
 
 
 def _check_plan_and_pipeline(
-    plan: ParallelPlan, pipeline: PipelineOptions, tp: int, pp: int, ep: int, hf_checkpoint: str | os.PathLike[str] | None
+    plan: ParallelPlan,
+    pipeline: PipelineOptions,
+    sizes: dict[str, int],
+    hf_checkpoint: str | os.PathLike[str] | None,
 ) -> None:
     """The arguments that must agree with the sizes: a tp plan needs tp > 1 (:func:`check_plan_sizes`); the
-    split points make ``pp x stages_per_rank`` stages; a Hugging Face checkpoint loads into a whole model (pp = 1)."""
-    check_plan_sizes(plan.tp_plan, tp, ep)
+    split points make ``pp x stages_per_rank`` stages; a Hugging Face checkpoint loads into a whole model (pp = 1);
+    ``transformers`` models are cut along the sequence outside a pipeline."""
+    tp, pp, ep, cp = sizes["tp"], sizes["pp"], sizes["ep"], sizes["cp"]
+    check_plan_sizes(plan.tp_plan, tp, ep, cp)
+    if plan.tp_plan == "auto" and cp > 1 and pp > 1:
+        raise ValueError(
+            "NDParallelStrategy(cp > 1, pp > 1) with tp_plan='auto': transformers models are cut along the sequence "
+            "only outside a pipeline so far; use cp or pp"
+        )
     stages = pp * pipeline.stages_per_rank
     if pp > 1 and pipeline.split_points and len(pipeline.split_points) != stages - 1:
         raise ValueError(
@@ -279,7 +289,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         _check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
         self._plan = plan or ParallelPlan()
         self._pp = pipeline or PipelineOptions()
-        _check_plan_and_pipeline(self._plan, self._pp, tp=tp, pp=pp, ep=ep, hf_checkpoint=hf_checkpoint)
+        _check_plan_and_pipeline(self._plan, self._pp, sizes, hf_checkpoint)
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -418,8 +428,10 @@ class NDParallelStrategy(ModelParallelStrategy):
 
     @property
     def pipeline_options(self) -> PipelineOptions:
-        """The ``pipeline`` options, with ``microbatches`` resolved (its default: the number of stages)."""
-        return dataclasses.replace(self._pp, microbatches=self._microbatches)
+        """The ``pipeline`` options, with ``microbatches`` resolved (its default: the number of stages) and,
+        for a model that splits itself (a ``transformers`` model), its default split points and ties."""
+        options = self._pipeline.config if self._pipeline is not None else self._pp
+        return dataclasses.replace(options, microbatches=self._microbatches)
 
     @property
     def tied_parameters(self) -> dict[str, torch.Tensor] | None:
@@ -633,12 +645,34 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._set_gradient_sync(share.ends_window)
         if self._pipeline is not None:
             return self._refuse_load_balancing(self._pipelined_step(share, *args, **kwargs))
+        output, own_losses = self._on_cut_sequences(super().training_step, args, kwargs)
         if self._windows is None:  # Lightning's mean of micro-batch means: Lightning divides by k itself
-            return self._refuse_load_balancing(super().training_step(*args, **kwargs))
+            return self._refuse_load_balancing(output)
         k = self._module.trainer.accumulate_grad_batches
-        output = self._normalized(super().training_step(*args, **kwargs), share, k)
+        output = self._normalized(output, share, k, own_losses)
         self._log_window_loss(output, k, share.ends_window)
         return output
+
+    @property
+    def _cuts_sequences(self) -> bool:
+        """Whether the strategy cuts each batch along the sequence for the ``transformers`` models (``tp_plan="auto"``,
+        ``cp > 1``; :mod:`~lightning_ndclip.core.parallel.hf_context`)."""
+        return self._plan.tp_plan == "auto" and self.parallel_dims.cp > 1
+
+    def _on_cut_sequences(
+        self, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, list[torch.Tensor]]:
+        """``step(*args, **kwargs)`` and the losses the ``transformers`` models returned in it: where the strategy cuts
+        sequences, on this cp rank's part of the batch (the step's first argument), the shard active."""
+        if not self._cuts_sequences:
+            return step(*args, **kwargs), []
+        from lightning_ndclip.core.parallel.hf_context import shard_batch
+
+        batch = args[0] if args else kwargs["batch"]
+        local, shard = shard_batch(batch, self.meshes["cp"], kv_exchange=self._plan.kv_exchange)
+        args, kwargs = ((local, *args[1:]), kwargs) if args else (args, {**kwargs, "batch": local})
+        with shard.active():
+            return step(*args, **kwargs), shard.model_losses
 
     def _micro_batch_share(self) -> MicroBatchShare:
         """This micro-batch's share of its window: from the loss windows, or without loss normalization
@@ -677,9 +711,10 @@ class NDParallelStrategy(ModelParallelStrategy):
             self._log_window_loss(output, 1, share.ends_window)
         return output
 
-    def _normalized(self, output: Any, share: MicroBatchShare, k: int) -> Any:
+    def _normalized(self, output: Any, share: MicroBatchShare, k: int, own_losses: list[torch.Tensor]) -> Any:
         """``training_step``'s loss as its share of the global mean, times ``k`` (Lightning divides by
-        ``accumulate_grad_batches`` before backward)."""
+        ``accumulate_grad_batches`` before backward). Under cp a scalar mean is weighted by the micro-batch's count only
+        where it is a ``transformers`` model's own loss (in ``own_losses``): its part of the micro-batch's mean."""
         if isinstance(output, Mapping) and "loss" not in output:
             raise ValueError(f"training_step returned a dict without a 'loss' key (keys: {sorted(output)})")
         loss = output["loss"] if isinstance(output, Mapping) else output
@@ -689,13 +724,18 @@ class NDParallelStrategy(ModelParallelStrategy):
                 f"tensor, or a dict with a 'loss' tensor), got {type(loss).__name__}"
             )
         source = "training_step"
-        if self._loss_normalization == "token_mean" and self.parallel_dims.cp > 1:
-            source += " (cp > 1: count_tokens counts the raw batch, not this shard)"
+        if self.parallel_dims.cp > 1 and not any(loss is own for own in own_losses):
+            share = dataclasses.replace(share, local_tokens=None)
+            source += f" (cp > 1: count_tokens counts the raw batch, not this shard{self._own_loss_hint})"
         scaled = share.apply(loss, source=source) * k
         balancing = output.get(LOAD_BALANCING_KEY) if isinstance(output, Mapping) else None
         if balancing is not None:  # a share of the global micro-batch's loss: the window's mean, not a token mean
             scaled = scaled + window_share(balancing, share.micro_batches) * k
         return {**output, "loss": scaled} if isinstance(output, Mapping) else scaled
+
+    @property
+    def _own_loss_hint(self) -> str:
+        return "; or return the transformers model's own .loss (labels=...) as it is" if self._cuts_sequences else ""
 
     def _refuse_load_balancing(self, output: Any) -> Any:
         """``output``, unless it holds a ``"load_balancing_loss"``, which this run would drop (it is added only with
@@ -739,17 +779,17 @@ class NDParallelStrategy(ModelParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().validation_step(*args, **kwargs)
-        self._log_eval_loss_of("validation_step", "val_loss", output, args[0] if args else kwargs.get("batch"))
+        output, own_losses = self._on_cut_sequences(super().validation_step, args, kwargs)
+        self._log_eval_loss_of("validation_step", "val_loss", output, args[0] if args else kwargs.get("batch"), own_losses)
         return output
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().test_step(*args, **kwargs)
-        self._log_eval_loss_of("test_step", "test_loss", output, args[0] if args else kwargs.get("batch"))
+        output, own_losses = self._on_cut_sequences(super().test_step, args, kwargs)
+        self._log_eval_loss_of("test_step", "test_loss", output, args[0] if args else kwargs.get("batch"), own_losses)
         return output
 
-    def _log_eval_loss_of(self, hook: str, name: str, output: Any, batch: Any) -> None:
+    def _log_eval_loss_of(self, hook: str, name: str, output: Any, batch: Any, own_losses: list[torch.Tensor]) -> None:
         """Add this step's loss, weighted as in training, to the epoch's exact global mean and log it
         (``GlobalMeanLoss`` over the loss dims, computed when the epoch ends)."""
         loss = output.get("loss") if isinstance(output, Mapping) else output
@@ -761,11 +801,12 @@ class NDParallelStrategy(ModelParallelStrategy):
         if metric is None:
             group = self.meshes["dp_cp"].get_group()
             metric = self._eval_losses[name] = GlobalMeanLoss(process_group=group).to(self.root_device)
-        metric.update(*self._weighted(hook, loss.detach(), batch))
+        metric.update(*self._weighted(hook, loss.detach(), batch, own=any(loss is own for own in own_losses)))
         self._log_exact(hook, name, metric, on_step=False, on_epoch=True, metric_attribute=name)
 
-    def _weighted(self, hook: str, loss: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(sum of this rank's weighted losses, its weight)`` for the epoch's exact global mean."""
+    def _weighted(self, hook: str, loss: torch.Tensor, batch: Any, own: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum of this rank's weighted losses, its weight)`` for the epoch's exact global mean; ``own``: the loss is
+        a ``transformers`` model's own, under cp its part of the batch's mean."""
         module: Any = self._module
         cp, device = self.meshes["cp"], self.root_device
         if self._loss_normalization == "sample_mean":  # the hook's failure rides in the weights' all-reduces
@@ -780,7 +821,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             return loss_share(loss, weights.weights[0], source=hook) * weights.num_samples, weights.local_samples
         count = as_count(module.count_tokens(batch), device)
         # count_tokens counts the raw batch: under cp a mean over this rank's shard cannot be weighted by it
-        local = None if cp.size() > 1 else count
+        local = None if cp.size() > 1 and not own else count
         value = local_loss_sum(loss, local_tokens=local, reduction=self._loss_reduction, source=hook)
         return value, count if cp.get_local_rank() == 0 else torch.zeros_like(count)
 

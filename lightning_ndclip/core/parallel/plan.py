@@ -22,11 +22,13 @@ from lightning_ndclip.core.parallel.tensor_parallel import matches_plan_key, out
 __all__ = ["ParallelPlan", "check_plan_sizes", "parallelize"]
 
 
-def check_plan_sizes(tp_plan: Mapping[str, ParallelStyle] | Literal["auto"] | None, tp: int, ep: int) -> None:
-    """A tp plan needs ``tp > 1``, except ``tp_plan="auto"`` with ``ep > 1``: the models' expert-parallel plans
-    alone."""
-    if tp_plan and tp == 1 and not (tp_plan == "auto" and ep > 1):
-        raise ValueError("plan=ParallelPlan(tp_plan=...) needs tp > 1 (tp_plan='auto': or ep > 1); set tp > 1 or drop tp_plan")
+def check_plan_sizes(tp_plan: Mapping[str, ParallelStyle] | Literal["auto"] | None, tp: int, ep: int, cp: int = 1) -> None:
+    """A tp plan needs ``tp > 1``, except ``tp_plan="auto"`` with ``ep > 1`` or ``cp > 1``: the models' expert-parallel
+    plans, or their context parallelism, alone."""
+    if tp_plan and tp == 1 and not (tp_plan == "auto" and (ep > 1 or cp > 1)):
+        raise ValueError(
+            "plan=ParallelPlan(tp_plan=...) needs tp > 1 (tp_plan='auto': or ep > 1 or cp > 1); set tp > 1 or drop tp_plan"
+        )
 
 
 def _replace_children(module: nn.Module, classes: tuple[type[nn.Module], ...]) -> None:
@@ -68,7 +70,8 @@ def parallelize(
             ``dp_replicate x dp_shard_cp`` for HSDP).
         tp_plan: ``{module name: ParallelStyle}`` (names relative to ``module``; wildcards as in
             PyTorch), or ``"auto"``: the own plans of the Hugging Face ``transformers`` models inside
-            ``module`` (:func:`lightning_ndclip.core.parallel.hf.hf_tp_plan`). Applied by
+            ``module`` (:func:`lightning_ndclip.core.parallel.hf.hf_tp_plan`; with ``cp > 1`` also their
+            attention over the cut sequence, :func:`~lightning_ndclip.core.parallel.hf_context.context_parallelize`). Applied by
             :func:`~lightning_ndclip.core.parallel.tensor_parallel.tensor_parallelize`: ``parallelize_module``
             keeping tied parameters (a tied embedding and LM head) one parameter.
         fsdp_units: module classes that each become one ``fully_shard`` unit (e.g. the transformer
@@ -91,11 +94,17 @@ def parallelize(
     """
     _check_classes(module, "fsdp_units", fsdp_units)
     _check_classes(module, "activation_checkpointing", activation_checkpointing)
-    tp, ep = meshes["tp"].size(), meshes["ep"].size()
-    check_plan_sizes(tp_plan, tp, ep)
+    tp, ep, cp = meshes["tp"].size(), meshes["ep"].size(), meshes["cp"].size()
+    check_plan_sizes(tp_plan, tp, ep, cp)
     experts: dict[str, nn.Module] = {}
     if tp_plan == "auto":
         from lightning_ndclip.core.parallel import hf  # needs transformers only when asked for
+
+        if cp > 1:  # their attention over the sequence cut along cp
+            from lightning_ndclip.core.parallel.hf_context import context_parallelize
+
+            for _, model in hf.transformers_models(module):
+                context_parallelize(model, meshes["cp"])
 
         if ep > 1:  # whole experts over ep, each split over tp along its width when tp > 1
             ep_plan = hf.hf_ep_plan(module)
@@ -214,15 +223,21 @@ def _callable_units(roots: Sequence[nn.Module]) -> list[nn.Module]:
 @dataclass(frozen=True)
 class ParallelPlan:
     """What :func:`parallelize` applies, as one object: ``NDParallelStrategy(plan=ParallelPlan(...))``
-    parallelizes a LightningModule that has no ``configure_model``. The fields are
+    parallelizes a LightningModule that has no ``configure_model``. The fields but ``kv_exchange`` are
     :func:`parallelize`'s arguments of the same names; an empty plan (the default) applies nothing."""
 
     tp_plan: Mapping[str, ParallelStyle] | Literal["auto"] | None = None
     fsdp_units: Sequence[type[nn.Module]] = ()
     activation_checkpointing: Sequence[type[nn.Module]] = ()
     mp_policy: MixedPrecisionPolicy | None = None
+    kv_exchange: Literal["ring", "all_gather"] = "ring"
+    """With ``tp_plan="auto"`` and ``cp > 1``: how the ``transformers`` models' attention sees the other cp ranks'
+    keys and values (:func:`~lightning_ndclip.core.context.attention.context_parallel_attention`); the strategy
+    reads it when it cuts each batch (:func:`~lightning_ndclip.core.parallel.hf_context.shard_batch`)."""
 
     def __post_init__(self) -> None:
+        if self.kv_exchange not in ("ring", "all_gather"):
+            raise ValueError(f"ParallelPlan(kv_exchange=...) must be 'ring' or 'all_gather', got {self.kv_exchange!r}")
         object.__setattr__(self, "fsdp_units", tuple(self.fsdp_units))
         object.__setattr__(self, "activation_checkpointing", tuple(self.activation_checkpointing))
 
