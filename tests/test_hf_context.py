@@ -114,3 +114,43 @@ def test_the_models_own_loss_equals_one_device(family):
     # loss in float32 (logits.float()), so float32's tolerance
     config = {"sliding_window": 5} if family.startswith("Gemma") else {}
     assert max(run_on_ranks(2, _context_parallel, family, "padded", config, "model")) < 1e-5
+
+
+def _naive_cut(family: str) -> float:
+    """Each rank runs the plain model on its chunks (local positions, local attention, local label shift)."""
+    model = _model(family)
+    batch = _with_next_labels(_batch("plain"))
+    expected_loss, _ = _one_device(model, batch, "per_token")
+    cp = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))["cp"]
+    local, _ = shard_batch(batch, cp)
+    total = _loss(model, local, "per_token").detach()
+    dist.all_reduce(total)
+    return abs(total.item() - expected_loss) / expected_loss
+
+
+def test_the_check_fails_for_a_naive_cut():
+    # what the test above would measure without context_parallelize: far from one device
+    assert min(run_on_ranks(2, _naive_cut, "Llama")) > 1e-5  # the tolerance above is 1e-10
+
+
+def _refusals() -> list[str]:
+    cp = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))["cp"]
+    messages = []
+    for call in (
+        lambda: context_parallelize(_model("Llama", attention_dropout=0.1), cp),
+        lambda: shard_batch({"input_ids": torch.zeros(2, 6, dtype=torch.int64)}, cp),
+        lambda: shard_batch([torch.zeros(2, 8)], cp),  # type: ignore[arg-type]
+        lambda: shard_batch({"input_ids": torch.zeros(2, 8, dtype=torch.int64), "attention_mask": torch.ones(2, 1, 8, 8)}, cp),
+    ):
+        with pytest.raises(ValueError) as error:
+            call()
+        messages.append(str(error.value))
+    return messages
+
+
+def test_what_cannot_be_cut_exactly_is_refused_naming_it():
+    dropout, length, not_a_dict, mask = run_on_ranks(2, _refusals)[0]
+    assert "config.attention_dropout is 0.1" in dropout
+    assert "length 6 is not a multiple of 4" in length and "pad_to_multiple_of" in length
+    assert "must be a dict holding 'input_ids'" in not_a_dict and "list" in not_a_dict
+    assert "2-D [rows, seq] padding mask" in mask

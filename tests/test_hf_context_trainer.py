@@ -113,3 +113,142 @@ def test_a_family_on_dp_shard_and_cp_equals_one_device(family):
 def test_a_family_on_cp_and_tp_equals_one_device(family):
     # each tp rank attends its own heads over the cut sequence; Qwen3's per-head norms summed over tp, a tied head
     _check(run_on_ranks(4, _fit_case, family, {"dp_shard": 1, "cp": 2, "tp": 2})[0], _reference(family))
+
+
+def _documents(position_ids: torch.Tensor) -> torch.Tensor:
+    """Per-token document index of packed rows (position ids restarting at 0), numbered from 0 in each row."""
+    return (position_ids == 0).cumsum(-1) - 1
+
+
+def _batches_of(kind: str) -> list[dict[str, torch.Tensor]]:
+    """``padded``: right padding (attention_mask) of different lengths; ``packed``: documents of different lengths
+    one after the other (position_ids restarting at 0), the labels pre-shifted as ``next_labels``."""
+    rows = _data()
+    g = torch.Generator().manual_seed(2)
+    for i, row in enumerate(rows):
+        if kind == "padded":
+            length = int(torch.randint(3, SEQ + 1, (1,), generator=g))
+            row["attention_mask"] = (torch.arange(SEQ) < length).long()
+            row["labels"] = torch.where(row["attention_mask"] == 1, row["labels"], -100)
+        else:
+            cut = 1 + i % (SEQ - 2)  # two documents: [0, cut), [cut, SEQ)
+            row["position_ids"] = torch.cat([torch.arange(cut), torch.arange(SEQ - cut)])
+            row["next_labels"] = torch.cat([row["labels"][1:], torch.tensor([-100])])
+            del row["labels"]
+    return rows
+
+
+class _TaskLM(_CausalLM):
+    """``padded``: the model's own loss, also as the validation loss. ``packed``: the per-sample mean over documents,
+    from per-token losses of the model's logits (the labels shifted in the data; ``sample_ids`` numbers the
+    documents of the micro-batch and cuts them as the strategy cuts the sequence)."""
+
+    def __init__(self, family: str, kind: str, batch: int) -> None:
+        super().__init__(family, batch)
+        self.kind = kind
+
+    def sample_ids(self, batch):
+        docs = _documents(batch["position_ids"])
+        per_row = docs.amax(dim=1) + 1
+        numbered = docs + (per_row.cumsum(0) - per_row)[:, None]
+        numbered = torch.where(batch["next_labels"] != -100, numbered, -1)
+        cp = self.device_mesh["cp"]
+        return nd.core.context.shard_sequence(numbered, cp.get_local_rank(), cp.size(), load_balance=True)[0], int(per_row.sum())
+
+    def training_step(self, batch, batch_idx):
+        if self.kind == "padded":
+            return self.lm(**batch).loss
+        logits = self.lm(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        per_token = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), batch["next_labels"].flatten(), ignore_index=-100, reduction="none"
+        )
+        return per_token.view(batch["next_labels"].shape)
+
+    validation_step = training_step
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(_batches_of(self.kind), batch_size=self.batch)
+
+    val_dataloader = train_dataloader
+
+
+def _task_reference(family: str, kind: str) -> dict:
+    model = _model(family).double()
+    batch = torch.utils.data.default_collate(_batches_of(kind))
+    losses = []
+    for _ in range(STEPS):
+        model.zero_grad()
+        if kind == "padded":
+            loss = model(**batch).loss
+        else:  # the mean over documents of their token means
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+            labels = batch["next_labels"]
+            per_token = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none"
+            ).view(labels.shape)
+            docs = _documents(batch["position_ids"]) + 2 * torch.arange(ROWS)[:, None]  # two documents per row
+            valid = labels != -100
+            sums = torch.zeros(2 * ROWS, dtype=per_token.dtype).index_add(0, docs[valid], per_token[valid])
+            counts = torch.zeros(2 * ROWS).index_add(0, docs[valid], torch.ones(int(valid.sum())))
+            loss = (sums[counts > 0] / counts[counts > 0]).mean()
+        loss.backward()
+        losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _task_case(family: str, kind: str) -> dict:
+    use_existing_process_group()
+    module = _TaskLM(family, kind, batch=BATCH)
+    plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=[type(module.lm.base_model.layers[0])])
+    normalization = "token_mean" if kind == "padded" else "sample_mean"
+    strategy = nd.NDParallelStrategy(dp_shard=2, cp=2, plan=plan, loss_normalization=normalization, summary=False)
+    trainer, logged = _fit(module, strategy, STEPS)
+    # after a validation forward FSDP2 may hold the parameters gathered (plain tensors)
+    params = {n: getattr(p, "full_tensor", p.detach)().detach() for n, p in module.lm.named_parameters()}
+    validated = trainer.validate(module, verbose=False)[0]["val_loss"]
+    return {**logged, "params": params, "val_loss": float(validated)}
+
+
+@pytest.mark.parametrize("kind", ["padded", "packed"])
+def test_padded_and_packed_batches_equal_one_device(kind):
+    # padding: masked as keys on every rank; packed documents: attention within each, the per-sample mean over them;
+    # the validation loss, the exact mean of the model's losses after training (sample_mean: of the documents)
+    family = "Qwen2 (tied)"  # a sliding window on one layer, full attention on the other
+    reference = _task_reference(family, kind)
+    result = run_on_ranks(4, _task_case, family, kind)[0]
+    assert "verdict: exact" in result["verified"], result["verified"]
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
+    for name, expected in reference["params"].items():
+        torch.testing.assert_close(result["params"][name].double(), expected, rtol=1e-5, atol=1e-6, msg=name)
+    final = _model(family).double()
+    final.load_state_dict(reference["params"], strict=False)  # a tied head is the embedding
+    batch = torch.utils.data.default_collate(_batches_of(kind))
+    if kind == "padded":
+        torch.testing.assert_close(result["val_loss"], final(**batch).loss.item(), rtol=1e-5, atol=0)
+
+
+class _OwnMeanLM(_CausalLM):
+    """Its own mean over this rank's tokens: a scalar whose count is this rank's, which the strategy cannot know."""
+
+    def training_step(self, batch, batch_idx):
+        logits = self.lm(input_ids=batch["input_ids"]).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+
+def _own_mean_case() -> str:
+    use_existing_process_group()
+    module = _OwnMeanLM("Llama")
+    plan = nd.ParallelPlan(tp_plan="auto")
+    strategy = nd.NDParallelStrategy(dp_shard=2, cp=2, plan=plan, loss_normalization="token_mean", summary=False)
+    with pytest.raises(ValueError) as error:
+        _fit(module, strategy, STEPS)
+    return str(error.value)
+
+
+def test_a_scalar_mean_of_its_own_is_refused_under_cp():
+    message = run_on_ranks(4, _own_mean_case)[0]
+    assert "must return per-token losses" in message and "the transformers model's own .loss" in message, message
