@@ -1,9 +1,11 @@
 """Fine-tune a Hugging Face transformers causal LM with NDParallelStrategy: its own tensor- and expert-parallel
-plans (``tp_plan="auto"``), FSDP2, the exact global token mean, GlobalNormClip(1.0) and TensorBoard.
+plans and context parallelism (``tp_plan="auto"``), FSDP2, the exact global token mean, GlobalNormClip(1.0) and
+TensorBoard.
 
     python examples/finetune_hf.py                                   # a tiny Qwen3-MoE, 4 CPU ranks: dp_shard=4, ep=2
     python examples/finetune_hf.py --dp-shard 2 --tp 2 --ep 2        # experts over ep, each split over tp
     python examples/finetune_hf.py --family llama --dp-shard 2 --tp 2 --verify   # checked against one process
+    python examples/finetune_hf.py --family llama --dp-shard 2 --cp 2 --ep 1 --verify   # sequences cut over cp
     python examples/finetune_hf.py --model path/to/checkpoint --accelerator gpu --devices 8 --ep 8
     torchrun --nproc-per-node 4 examples/finetune_hf.py              # or under SLURM: srun python ...
 
@@ -11,8 +13,9 @@ plans (``tp_plan="auto"``), FSDP2, the exact global token mean, GlobalNormClip(1
 writes them): the model is built on the meta device and the strategy loads the checkpoint straight into each
 rank's shards (``hf_checkpoint=``). Without it a tiny random ``--family`` model is built offline. The data:
 documents from small random Markov chains over the vocabulary, packed into rows of ``--seq-len`` tokens with
-padding labelled -100, so ranks hold different numbers of valid tokens. The loss is the model's own
-(``labels=``, shifted inside transformers), so the strategy counts the tokens it averages over: ``labels[:, 1:]``.
+padding labelled -100, so ranks hold different numbers of valid tokens; batches are dicts, as transformers'
+collators make them (under ``--cp`` the strategy cuts their sequences). The loss is the model's own (``labels=``,
+shifted inside transformers), so the strategy counts the tokens it averages over: ``labels[:, 1:]``.
 """
 
 from __future__ import annotations
@@ -62,12 +65,11 @@ class FineTune(L.LightningModule):
         self.args = args
         self.lm = build_model(args)
 
-    def count_tokens(self, batch: list[torch.Tensor]) -> torch.Tensor:  # what transformers' shifted loss averages over
-        return (batch[1][:, 1:] != -100).sum()
+    def count_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:  # what the shifted loss averages over
+        return (batch["labels"][:, 1:] != -100).sum()
 
-    def training_step(self, batch: list[torch.Tensor]) -> torch.Tensor:
-        tokens, labels = batch
-        return self.lm(input_ids=tokens, labels=labels).loss
+    def training_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.lm(**batch).loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.args.lr, weight_decay=0.01)
@@ -76,7 +78,8 @@ class FineTune(L.LightningModule):
         vocab = self.lm.config.get_text_config().vocab_size
         tokens, next_tokens = topic_documents(self.args.rows, self.args.seq_len, vocab, self.args.topics).tensors
         labels = torch.cat([tokens[:, :1], next_tokens[:, :-1]], dim=1)  # transformers' loss shifts them back itself
-        return DataLoader(torch.utils.data.TensorDataset(tokens, labels), batch_size=self.args.batch_size, shuffle=True)
+        rows = [{"input_ids": t, "labels": y} for t, y in zip(tokens, labels)]
+        return DataLoader(rows, batch_size=self.args.batch_size, shuffle=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--family", choices=sorted(TINY), default="qwen3-moe")
     p.add_argument("--dp-shard", type=int, default=-1)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1, help="context parallel: each sequence cut into 2 x cp chunks")
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--topics", type=int, default=4)
     p.add_argument("--vocab", type=int, default=64)
@@ -108,8 +112,9 @@ def decoder_layer(model: torch.nn.Module) -> type[torch.nn.Module]:
 
 
 def strategy_kwargs(args: argparse.Namespace, model: torch.nn.Module) -> dict[str, Any]:
-    plan = ParallelPlan(tp_plan="auto" if args.tp > 1 or args.ep > 1 else None, fsdp_units=[decoder_layer(model)])
-    return dict(dp_shard=args.dp_shard, tp=args.tp, ep=args.ep, plan=plan, loss_normalization="token_mean",
+    auto = args.tp > 1 or args.ep > 1 or args.cp > 1
+    plan = ParallelPlan(tp_plan="auto" if auto else None, fsdp_units=[decoder_layer(model)])
+    return dict(dp_shard=args.dp_shard, cp=args.cp, tp=args.tp, ep=args.ep, plan=plan, loss_normalization="token_mean",
                 log_loss="train/loss", hf_checkpoint=args.model)  # fmt: skip
 
 
