@@ -5,6 +5,8 @@ module imports no Lightning, so the core-only run collects its blocks."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -319,6 +321,39 @@ def tiny_llama() -> dict:
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     return {"llama": LlamaForCausalLM(config)}
+
+
+def hf_cp_inputs() -> dict:
+    """A tiny float64 transformers Llama (``model``), a batch of 2 rows of 16 tokens (``batch``: ``input_ids``,
+    ``labels``) and ``cp_mesh`` over the ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    model = LlamaForCausalLM(config).double()
+    tokens = torch.randint(3, 32, (2, 16), generator=torch.Generator().manual_seed(0))
+    cp_mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))["cp"]
+    return {"model": model, "batch": {"input_ids": tokens, "labels": tokens}, "cp_mesh": cp_mesh,
+            "_plain": copy.deepcopy(model)}  # fmt: skip
+
+
+def hf_cp_loss_is_one_device(ns: dict) -> None:
+    """The ranks' losses sum to the plain model's loss on the whole batch, and so do their gradients."""
+    import torch.distributed as dist
+
+    plain = ns["_plain"]
+    expected = plain(**ns["batch"]).loss
+    expected.backward()
+    total = ns["loss"].detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total, expected.detach(), rtol=1e-6, atol=0)  # transformers' loss is float32
+    for (name, param), reference in zip(ns["model"].named_parameters(), plain.parameters()):
+        grad = param.grad.clone()
+        dist.all_reduce(grad)
+        torch.testing.assert_close(grad, reference.grad, rtol=1e-6, atol=1e-9, msg=name)
 
 
 # --- experts without Lightning: 4 ranks, dp_shard=4 for dense weights, edp=2 x ep=2 for experts ------
