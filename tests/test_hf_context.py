@@ -138,6 +138,7 @@ def _refusals() -> list[str]:
     messages = []
     for call in (
         lambda: context_parallelize(_model("Llama", attention_dropout=0.1), cp),
+        lambda: context_parallelize(_model("Llama", attention_chunk_size=4), cp),  # Llama 4's chunked attention
         lambda: shard_batch({"input_ids": torch.zeros(2, 6, dtype=torch.int64)}, cp),
         lambda: shard_batch([torch.zeros(2, 8)], cp),  # type: ignore[arg-type]
         lambda: shard_batch({"input_ids": torch.zeros(2, 8, dtype=torch.int64), "attention_mask": torch.ones(2, 1, 8, 8)}, cp),
@@ -149,8 +150,9 @@ def _refusals() -> list[str]:
 
 
 def test_what_cannot_be_cut_exactly_is_refused_naming_it():
-    dropout, length, not_a_dict, mask = run_on_ranks(2, _refusals)[0]
+    dropout, chunked, length, not_a_dict, mask = run_on_ranks(2, _refusals)[0]
     assert "config.attention_dropout is 0.1" in dropout
+    assert "config.attention_chunk_size is 4" in chunked
     assert "length 6 is not a multiple of 4" in length and "pad_to_multiple_of" in length
     assert "must be a dict holding 'input_ids'" in not_a_dict and "list" in not_a_dict
     assert "2-D [rows, seq] padding mask" in mask

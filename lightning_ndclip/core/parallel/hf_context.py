@@ -199,6 +199,12 @@ def context_parallelize(model: Any, cp: DeviceMesh) -> None:
             f"cp > 1: {name}'s config.attention_dropout is {dropout}; ring attention computes no dropout, so the step would "
             "not be one device's. Set config.attention_dropout = 0.0 (the usual setting for fine-tuning)"
         )
+    for field_name, unlike in _MASKS_THE_RING_DOES_NOT_BUILD.items():
+        if getattr(config, field_name, None) not in (None, unlike):
+            raise ValueError(
+                f"cp > 1: {name}'s config.{field_name} is {getattr(config, field_name)!r}, an attention mask the ring "
+                "attention does not build; train this model without cp"
+            )
     original = config._attn_implementation
     if not original.startswith(_PREFIX):
         if original not in ("sdpa", "eager"):
@@ -207,12 +213,21 @@ def context_parallelize(model: Any, cp: DeviceMesh) -> None:
                 "attention and keeps 'sdpa' or 'eager' for calls outside training: load the model with one of those"
             )
         model.set_attn_implementation(_register(original))
+        if config._attn_implementation != _PREFIX + original:  # a model whose attention is not looked up by name
+            raise ValueError(
+                f"cp > 1: {name} does not take an attention implementation from transformers' AttentionInterface, "
+                "so its attention cannot be routed to ring attention; train this model without cp"
+            )
     base = getattr(model, "base_model", model)
     base.register_forward_pre_hook(_global_positions, with_kwargs=True)
     base.register_forward_hook(_end_of_call)
     if base is not model:
         model.register_forward_pre_hook(_shifted_labels, with_kwargs=True)
     model.register_forward_hook(_record_loss)
+
+
+_MASKS_THE_RING_DOES_NOT_BUILD = {"attention_chunk_size": None, "is_causal": True, "use_bidirectional_attention": False}
+"""Config fields that change transformers' mask beyond causal, window, padding and packing, and their plain value."""
 
 
 def _register(original: str) -> str:
@@ -239,6 +254,12 @@ def _attention_for(original: str) -> Callable[..., tuple[torch.Tensor, None]]:
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                   **kwargs: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
         if not isinstance(attention_mask, _RingMask):
+            if _ACTIVE.get() is not None:  # inside a cut step, a mask transformers' mask functions did not make
+                raise ValueError(
+                    f"cp > 1: {type(module).__name__} was given an attention mask its model built itself "
+                    f"({type(attention_mask).__name__}), which does not see the other cp ranks' tokens; train this model "
+                    "without cp"
+                )
             return _original_attention(module, original)(module, query, key, value, attention_mask, **kwargs)
         return _sharded_attention(attention_mask, module, query, key, value, **kwargs), None
 
@@ -272,6 +293,9 @@ def _sharded_attention(
         raise ValueError(f"cp > 1: {type(module).__name__} attends with dropout {dropout}; ring attention computes none")
     if kwargs.get("output_attentions"):
         raise ValueError("cp > 1: output_attentions=True is not available: no rank ever holds a whole attention matrix")
+    biases = [key for key in ("position_bias", "alibi", "attention_bias") if kwargs.get(key) is not None]
+    if biases:
+        raise ValueError(f"cp > 1: {type(module).__name__} adds {biases[0]} to its scores, which ring attention does not")
     groups = query.shape[1] // key.shape[1]  # grouped-query attention: each key-value head serves `groups` heads
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
