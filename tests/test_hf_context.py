@@ -96,8 +96,11 @@ def _context_parallel(family: str, layout: str, config: dict, loss: str) -> floa
 
 
 def _tolerance(family: str) -> float:
-    """float64's; float32's for a family whose attention transformers runs eagerly: its softmax is taken in float32."""
-    return 1e-10 if tiny_causal_lm(family).config._attn_implementation == "sdpa" else 1e-5
+    """float64's; float32's for a family whose attention transformers runs eagerly (its softmax is taken in float32)
+    or soft-caps (transformers 5.0 runs Gemma 2 on sdpa, which skips the cap: 1e-7 at these scores)."""
+    config = tiny_causal_lm(family).config
+    plain = config._attn_implementation == "sdpa" and getattr(config, "attn_logit_softcapping", None) is None
+    return 1e-10 if plain else 1e-5
 
 
 @pytest.mark.parametrize("layout", ["plain", "padded", "packed", "packed-no-cache"])

@@ -13,7 +13,7 @@ import torch
 from harness import run_on_ranks
 from helpers import use_existing_process_group
 from hf_families import FAMILIES, MOE, tiny_causal_lm
-from test_hf_families import _fit
+from test_hf_families import _fit, _head_norms_left_whole, _unmapped_style
 
 import lightning_ndclip as nd
 
@@ -112,6 +112,9 @@ def test_a_family_on_dp_shard_and_cp_equals_one_device(family):
 @pytest.mark.parametrize("family", ["Llama (tied)", "Qwen3", "Gemma2 (tied)", "Mixtral"])
 def test_a_family_on_cp_and_tp_equals_one_device(family):
     # each tp rank attends its own heads over the cut sequence; Qwen3's per-head norms summed over tp, a tied head
+    model = tiny_causal_lm(family)
+    if _unmapped_style(model) or _head_norms_left_whole(model):  # older releases' plans, refused on tp (the matrix)
+        pytest.skip(f"this transformers release's {family} plan is refused on tp (test_hf_families.py)")
     _check(run_on_ranks(4, _fit_case, family, {"dp_shard": 1, "cp": 2, "tp": 2})[0], _reference(family))
 
 
