@@ -63,6 +63,7 @@ __all__ = [
     "unflatten_mesh",
     "view_base",
     "initialize_buffers",
+    "class_pp_plan",
     "ModuleStyle",
     "DispatchMode",
     "VALUE_READ_OPS",
@@ -96,6 +97,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
         "torch.nn:Module._buffers",
         "transformers:PreTrainedModel._init_weights",
     ),
+    "class_pp_plan": ("transformers:PreTrainedModel._pp_plan",),
     # Lightning
     "materialize_distributed_module": ("lightning.fabric.utilities.init:_materialize_distributed_module",),
     "optimizers_to_device": ("lightning.fabric.utilities.optimizer:_optimizers_to_device",),
@@ -186,6 +188,13 @@ def initialize_buffers(model: Any, module: torch.nn.Module) -> None:
     stand_in._buffers = dict(module._buffers)
     with torch.no_grad():
         model._init_weights(stand_in)
+
+
+def class_pp_plan(model_class: type) -> dict[str, Any]:
+    """A ``transformers`` model class's own pipeline plan, its head's (``{"lm_head": (inputs, outputs)}``), without
+    its base model's (reason: the public ``PreTrainedModel.pp_plan`` has the head's entries only from the releases
+    that merge the class's plan into it; 5.0's leaves them out)."""
+    return dict(getattr(model_class, "_pp_plan", None) or {})
 
 
 foreach_norm = torch._foreach_norm

@@ -11,7 +11,8 @@ checks it):
   plans, Hugging Face plans and checkpoints) and its checks (coverage, replicas, summary, SUM
   reductions); imports nothing else of the core;
 - :mod:`~lightning_ndclip.core.context`: context parallelism (sequence shards, ring attention); imports nothing else;
-- :mod:`~lightning_ndclip.core.pipeline`: pipeline stages and schedules; imports nothing else;
+- :mod:`~lightning_ndclip.core.pipeline`: pipeline stages and schedules; imports ``parallel.hf_pipeline`` (the stages
+  of a ``transformers`` model, only for one);
 - :mod:`~lightning_ndclip.core.experts`: a mixture-of-experts layer; imports ``parallel.expert_parallel`` (the token
   exchange of expert parallelism, shared with packed-experts modules);
 - :mod:`~lightning_ndclip.core.agree`: errors raised alike on every rank of a group; imports nothing else.

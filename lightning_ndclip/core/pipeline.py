@@ -12,6 +12,12 @@ whatever entries remain (torchtitan's convention), e.g.::
         h = layer(h)
     return self.head(h) if self.head is not None else h
 
+A model may know how to split itself instead (:class:`ModelSplit`, :func:`model_split`): a method
+``pipeline_split()`` returning its split, or a Hugging Face ``transformers`` model, cut where its own
+pipeline plan says (:class:`lightning_ndclip.core.parallel.hf_pipeline.HFPipelineSplit`). Its units
+and stages are its own, ``split_points`` may be left out (its default split), and its ties across
+stages are declared by the strategy without being named.
+
 Schedules are built with ``scale_grads=False``: the loss function passed in must already be the
 micro-batch's share of the *global* mean (e.g. ``loss_sum / N`` with ``N`` from
 :func:`lightning_ndclip.sync_token_count` over every micro-batch and data-parallel rank), so nothing
@@ -21,8 +27,10 @@ divides twice.
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,14 +48,18 @@ from torch.distributed.pipelining.schedules import (
 
 __all__ = [
     "SCHEDULES",
+    "ModelSplit",
     "PipelineOptions",
     "build_pipeline",
+    "model_split",
     "model_units",
     "schedule_stages",
     "split_model",
+    "split_points_of",
     "stage_units_of",
     "sync_tied_parameters",
     "tie_gradients",
+    "unsplit_output",
 ]
 
 SCHEDULES: dict[str, type] = {
@@ -95,8 +107,72 @@ class PipelineOptions:
         object.__setattr__(self, "tied_parameters", tuple(tuple(group) for group in self.tied_parameters))
 
 
+class ModelSplit(Protocol):
+    """How a model that knows how to split itself is cut into stages (see :func:`model_split`)."""
+
+    @property
+    def units(self) -> Sequence[str]:
+        """Its ordered units, named as its parameters are (a parameter ``u.x`` belongs to unit ``u``)."""
+        ...
+
+    def split_points(self, num_stages: int) -> list[str]:
+        """The units starting stages 1, 2, ... when ``PipelineOptions(split_points)`` is empty (or a
+        ``ValueError`` naming the model and why it has no default)."""
+        ...
+
+    def check_split_points(self, split_points: Sequence[str]) -> None:
+        """Raise ``ValueError`` for split points its stages cannot start at."""
+        ...
+
+    def stage(self, keep: Sequence[str]) -> nn.Module:
+        """A stage holding the units ``keep`` (its parameters named as in the model): its forward takes
+        the previous stage's output (the first stage: the pipeline's inputs)."""
+        ...
+
+    def output(self, inputs: Any) -> Any:
+        """The unsplit model's output on ``inputs``, as its last stage returns it (one-device replays)."""
+        ...
+
+
+def model_split(model: nn.Module) -> ModelSplit | None:
+    """``model``'s own split: what its ``pipeline_split()`` returns, for a ``transformers`` model its
+    pipeline plan's (:class:`~lightning_ndclip.core.parallel.hf_pipeline.HFPipelineSplit`), else ``None``
+    (stages are cut from its top-level children, see the module docstring)."""
+    hook = getattr(model, "pipeline_split", None)
+    if callable(hook):
+        split: ModelSplit = hook()
+        return split
+    transformers = sys.modules.get("transformers")  # a transformers model imported it already
+    if transformers is not None and isinstance(model, getattr(transformers, "PreTrainedModel", ())):
+        from lightning_ndclip.core.parallel.hf_pipeline import HFPipelineSplit
+
+        return HFPipelineSplit(model)
+    return None
+
+
+def split_points_of(model: nn.Module, split_points: Sequence[str], num_stages: int) -> list[str]:
+    """``split_points``, or, left empty, the default of a model that splits itself (else as given: empty)."""
+    split = model_split(model)
+    if split is None:
+        return list(split_points)
+    if not split_points:
+        return split.split_points(num_stages)
+    split.check_split_points(split_points)
+    return list(split_points)
+
+
+def unsplit_output(model: nn.Module, inputs: Any) -> Any:
+    """What the unsplit ``model`` computes from a pipeline's ``inputs``, as its last stage returns it:
+    ``model(inputs)``, or its own split's output (a ``transformers`` model's logits)."""
+    split = model_split(model)
+    return model(inputs) if split is None else split.output(inputs)
+
+
 def model_units(model: nn.Module) -> list[str]:
     """The ordered units stages are cut from (see the module docstring)."""
+    split = model_split(model)
+    if split is not None:
+        return list(split.units)
     units: list[str] = []
     for name, child in model.named_children():
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
@@ -122,7 +198,11 @@ def stage_units_of(units: list[str], split_points: Sequence[str], num_stages: in
 
 
 def split_model(model: nn.Module, keep: Sequence[str]) -> nn.Module:
-    """A deep copy of ``model`` holding only the units in ``keep`` (others removed as documented)."""
+    """A deep copy of ``model`` holding only the units in ``keep`` (others removed as documented), or
+    the stage of a model that splits itself."""
+    split = model_split(model)
+    if split is not None:
+        return split.stage(keep)
     stage = copy.deepcopy(model)
     for name, child in list(stage.named_children()):
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
@@ -156,7 +236,8 @@ def build_pipeline(
     Args:
         model: the full model (on every rank; only this rank's stages are kept).
         pp_mesh: the 1-D pipeline mesh.
-        split_points: the units that start stages 1, 2, ... (``len = stages - 1``).
+        split_points: the units that start stages 1, 2, ... (``len = stages - 1``); empty for a
+            model that splits itself: its default split (:func:`split_points_of`).
         n_microbatches: micro-batches per step (the batch given to ``step`` is chunked on dim 0).
         loss_fn: ``(output, target) -> loss`` of one micro-batch, already normalized by the global
             count (the schedule does not divide: ``scale_grads=False``).
@@ -181,6 +262,7 @@ def build_pipeline(
         )
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
     num_stages = pp * stages_per_rank
+    split_points = split_points_of(model, split_points, num_stages)
     per_stage = stage_units_of(model_units(model), split_points, num_stages)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

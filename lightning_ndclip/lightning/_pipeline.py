@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -30,8 +31,10 @@ from lightning_ndclip.core.parallel.tensor_parallel import tied_parameters
 from lightning_ndclip.core.pipeline import (
     PipelineOptions,
     build_pipeline,
+    model_split,
     model_units,
     schedule_stages,
+    split_points_of,
     stage_units_of,
     sync_tied_parameters,
     tie_gradients,
@@ -42,12 +45,27 @@ __all__ = ["PipelineRunner"]
 
 class _PipelineStages(nn.ModuleList):
     """This rank's stage modules, in the place of the model they were cut from; they remember their
-    global stage indices and the model's units, so a later Trainer can schedule them again."""
+    global stage indices, the model's units and the split (the options' split points and ties, with a
+    model's own defaults filled in), so a later Trainer can schedule them again."""
 
-    def __init__(self, stages: Sequence[nn.Module], indices: Sequence[int], units: Sequence[str]) -> None:
+    def __init__(
+        self, stages: Sequence[nn.Module], indices: Sequence[int], units: Sequence[str], config: PipelineOptions
+    ) -> None:
         super().__init__(stages)
         self.indices = list(indices)
         self.units = list(units)
+        self.split_points, self.tied_parameters = config.split_points, config.tied_parameters
+
+
+def _own_ties(model: nn.Module, config: PipelineOptions, num_stages: int) -> tuple[tuple[str, ...], ...]:
+    """The ties of a model that splits itself which the cut puts in several stages and ``config`` does
+    not declare: declared for the user (each stage would train its own copy otherwise)."""
+    stage_units = stage_units_of(model_units(model), config.split_points, num_stages)
+    declared = {n for tie in config.tied_parameters for n in tie}
+    return tuple(
+        tuple(tie) for tie in tied_parameters(model)
+        if len(_stages_holding(tie, stage_units)) > 1 and not declared.intersection(tie)
+    )  # fmt: skip
 
 
 def _check_ties(model: nn.Module, config: PipelineOptions, num_stages: int) -> None:
@@ -123,15 +141,23 @@ class PipelineRunner:
         model = getattr(module, config.module, None)
         if not isinstance(model, nn.Module):
             raise ValueError(f"PipelineOptions(module={config.module!r}): the LightningModule has no submodule of that name")
-        if not isinstance(model, _PipelineStages):  # (an earlier Trainer's cut was checked then)
-            names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-            for tie in config.tied_parameters:
-                if unknown := [n for n in tie if n not in names]:
-                    raise ValueError(
-                        f"PipelineOptions(tied_parameters) entry {list(tie)}: {unknown} is not a parameter name of "
-                        f"{config.module} (names are relative to it, e.g. {sorted(names)[:3]})"
-                    )
-            _check_ties(model, config, pp * config.stages_per_rank)
+        if isinstance(model, _PipelineStages):  # an earlier Trainer's cut, checked then: its split
+            if not config.split_points:
+                self.config = replace(config, split_points=model.split_points, tied_parameters=model.tied_parameters)
+            return
+        num_stages = pp * config.stages_per_rank
+        if model_split(model) is not None:  # a model that splits itself: its default split points and its ties
+            config = replace(config, split_points=split_points_of(model, config.split_points, num_stages))
+            ties = (*config.tied_parameters, *_own_ties(model, config, num_stages))
+            config = self.config = replace(config, tied_parameters=ties)
+        names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        for tie in config.tied_parameters:
+            if unknown := [n for n in tie if n not in names]:
+                raise ValueError(
+                    f"PipelineOptions(tied_parameters) entry {list(tie)}: {unknown} is not a parameter name of "
+                    f"{config.module} (names are relative to it, e.g. {sorted(names)[:3]})"
+                )
+        _check_ties(model, config, num_stages)
 
     def setup(self, module: pl.LightningModule, meshes: ParallelMeshes, plan: ParallelPlan) -> None:
         """Cut ``module``'s ``config.module`` into this rank's stages, parallelize each (``plan``: the
@@ -168,7 +194,7 @@ class PipelineRunner:
         )  # fmt: skip
         rank = meshes["pp"].get_local_rank()
         indices = [rank + k * self.pp for k in range(config.stages_per_rank)]
-        setattr(module, config.module, _PipelineStages(stages, indices, units))
+        setattr(module, config.module, _PipelineStages(stages, indices, units, config))
         self._ties = [self._tie_group(names, stages, units) for names in config.tied_parameters]
 
     def _schedule(self, stages: dict[int, nn.Module]) -> Any:

@@ -228,10 +228,11 @@ class NDParallelStrategy(ModelParallelStrategy):
             habit) or ``"sum"``.
         log_loss: with ``loss_normalization``, the name under which the exact global mean loss of each
             optimizer step is logged (on step, progress bar); ``None`` logs nothing.
-        log_eval_loss: with ``loss_normalization`` (and ``pp=1``), a ``validation_step`` /
+        log_eval_loss: with ``loss_normalization``, a ``validation_step`` /
             ``test_step`` that returns its loss, as ``training_step`` does, has the exact global mean
             of the epoch (tokens or samples, the same on every mesh) logged as ``val_loss`` /
-            ``test_loss``. ``False`` logs nothing. Logging the same name yourself is an error.
+            ``test_loss`` (with ``pp > 1``: ``"token_mean"`` without ``cp``, the loss that
+            ``run_pipeline`` returns). ``False`` logs nothing. Logging the same name yourself is an error.
         sum_reduction: make every FSDP2 gradient reduction a plain SUM, for a ``training_step`` that
             normalizes its loss by global counts itself. Implied by ``loss_normalization``.
         init_sync: after ``configure_model``, give every replica of a parameter or buffer (its
@@ -800,13 +801,17 @@ class NDParallelStrategy(ModelParallelStrategy):
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if not (self._log_eval_loss and self._loss_normalization and isinstance(loss, torch.Tensor)):
             return
-        if self.parallel_dims.pp > 1:
-            return
+        weighted = None
+        if self.parallel_dims.pp > 1:  # run_pipeline's evaluation loss: the sum of the batch's per-token losses
+            if self._loss_normalization != "token_mean" or self.parallel_dims.cp > 1:
+                return
+            module: Any = self._module
+            weighted = loss.detach(), as_count(module.count_tokens(batch), self.root_device)
         metric = self._eval_losses.get(name)
         if metric is None:
             group = self.meshes["dp_cp"].get_group()
             metric = self._eval_losses[name] = GlobalMeanLoss(process_group=group).to(self.root_device)
-        metric.update(*self._weighted(hook, loss.detach(), batch, own=any(loss is own for own in own_losses)))
+        metric.update(*(weighted or self._weighted(hook, loss.detach(), batch, own=any(loss is own for own in own_losses))))
         self._log_exact(hook, name, metric, on_step=False, on_epoch=True, metric_attribute=name)
 
     def _weighted(self, hook: str, loss: torch.Tensor, batch: Any, own: bool) -> tuple[torch.Tensor, torch.Tensor]:

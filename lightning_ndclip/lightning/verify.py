@@ -69,6 +69,7 @@ from lightning_ndclip import _compat
 from lightning_ndclip.core.load_balance import LOAD_BALANCING_KEY, PooledRouting
 from lightning_ndclip.core.parallel.mesh import ParallelMeshes, one_rank_meshes
 from lightning_ndclip.core.parallel.tensor_parallel import tied_parameters
+from lightning_ndclip.core.pipeline import unsplit_output
 from lightning_ndclip.lightning.callbacks import GlobalNormClip
 
 __all__ = ["VerifyOneDevice"]
@@ -303,10 +304,10 @@ class _OneProcessStrategy:
             raise RuntimeError("run_pipeline needs NDParallelStrategy(pp > 1)")
         model, loss_of = getattr(self.module, options.module), self.module.pipeline_loss
         if self.loss_normalization is not None:
-            return loss_of(model(inputs), target)
+            return loss_of(unsplit_output(model, inputs), target)
         chunks = options.microbatches
         split = [apply_to_collection(v, torch.Tensor, lambda t: t.tensor_split(chunks)) for v in (inputs, target)]
-        return torch.stack([loss_of(model(x), y) for x, y in zip(*split)]).mean()
+        return torch.stack([loss_of(unsplit_output(model, x), y) for x, y in zip(*split)]).mean()
 
 
 class _OneProcess:
