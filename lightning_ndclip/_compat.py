@@ -64,6 +64,7 @@ __all__ = [
     "view_base",
     "initialize_buffers",
     "class_pp_plan",
+    "attention_implementation",
     "ModuleStyle",
     "DispatchMode",
     "VALUE_READ_OPS",
@@ -98,6 +99,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
         "transformers:PreTrainedModel._init_weights",
     ),
     "class_pp_plan": ("transformers:PreTrainedModel._pp_plan",),
+    "attention_implementation": ("transformers:PreTrainedConfig._attn_implementation",),
     # Lightning
     "materialize_distributed_module": ("lightning.fabric.utilities.init:_materialize_distributed_module",),
     "optimizers_to_device": ("lightning.fabric.utilities.optimizer:_optimizers_to_device",),
@@ -195,6 +197,14 @@ def class_pp_plan(model_class: type) -> dict[str, Any]:
     its base model's (reason: the public ``PreTrainedModel.pp_plan`` has the head's entries only from the releases
     that merge the class's plan into it; 5.0's leaves them out)."""
     return dict(getattr(model_class, "_pp_plan", None) or {})
+
+
+def attention_implementation(config: Any) -> str:
+    """The attention implementation a ``transformers`` model's layers look up (``"sdpa"``, ``"eager"``, a registered
+    name), resolved (reason: ``config._attn_implementation`` is what the modeling code itself reads; the public
+    ``attn_implementation`` argument is the request, not what was resolved, and no public getter exists)."""
+    name: str = config._attn_implementation
+    return name
 
 
 foreach_norm = torch._foreach_norm

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_ndclip import _compat
 from lightning_ndclip.core.context.attention import context_parallel_attention, shard_sequence
 from lightning_ndclip.core.context.ring_attention import ring_attention
 
@@ -205,7 +206,7 @@ def context_parallelize(model: Any, cp: DeviceMesh) -> None:
                 f"cp > 1: {name}'s config.{field_name} is {getattr(config, field_name)!r}, an attention mask the ring "
                 "attention does not build; train this model without cp"
             )
-    original = config._attn_implementation
+    original = _compat.attention_implementation(config)
     if not original.startswith(_PREFIX):
         if original not in ("sdpa", "eager"):
             raise ValueError(
@@ -213,7 +214,7 @@ def context_parallelize(model: Any, cp: DeviceMesh) -> None:
                 "attention and keeps 'sdpa' or 'eager' for calls outside training: load the model with one of those"
             )
         model.set_attn_implementation(_register(original))
-        if config._attn_implementation != _PREFIX + original:  # a model whose attention is not looked up by name
+        if _compat.attention_implementation(config) != _PREFIX + original:  # a model whose attention is not looked up by name
             raise ValueError(
                 f"cp > 1: {name} does not take an attention implementation from transformers' AttentionInterface, "
                 "so its attention cannot be routed to ring attention; train this model without cp"
@@ -270,9 +271,9 @@ def _original_attention(module: nn.Module, original: str) -> Callable[..., Any]:
     if original == "eager":  # each family's own eager function (soft-capping, sinks, ...)
         found: Callable[..., Any] = sys.modules[type(module).__module__].eager_attention_forward
         return found
-    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    return cast("Callable[..., Any]", AttentionInterface._global_mapping[original])
+    return cast("Callable[..., Any]", ALL_ATTENTION_FUNCTIONS[original])
 
 
 def _sharded_attention(
