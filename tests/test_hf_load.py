@@ -262,6 +262,50 @@ def test_the_strategy_loads_the_checkpoint_into_the_parallelized_model(tmp_path)
         torch.testing.assert_close(trained[name], value.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_the_strategy_refuses_a_checkpoint_to_load_into_pipeline_stages():
-    with pytest.raises(ValueError, match=r"hf_checkpoint=\.\.\., pp > 1\): each pipeline rank holds some stages"):
-        nd.NDParallelStrategy(pp=2, hf_checkpoint="somewhere")
+class _PipelinedMetaLM(_MetaLM):
+    """The checkpoint's model on the meta device, cut into pipeline stages by the strategy, which loads each."""
+
+    def pipeline_loss(self, logits, labels):
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        return self.trainer.strategy.run_pipeline(tokens[:, :-1], tokens[:, 1:])
+
+    def train_dataloader(self):  # both rows of TOKENS on each of the 2 data ranks: 2 pipeline micro-batches
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(TOKENS.repeat(2, 1)), batch_size=2)
+
+
+def pipelined_case(directory: str) -> dict:
+    """One step of pp=2 x dp_shard=2 loading ``directory`` into the stages: this rank's stage parameters, whole."""
+    use_existing_process_group()
+    module = _PipelinedMetaLM(directory)
+    plan = nd.ParallelPlan(fsdp_units=[type(module.lm.model.layers[0])])
+    strategy = nd.NDParallelStrategy(
+        pp=2, dp_shard=2, plan=plan, pipeline=nd.PipelineOptions(module="lm", microbatches=2),
+        loss_normalization="token_mean", summary=False, hf_checkpoint=directory,
+    )  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module)
+    return {n: p.detach().full_tensor() for stage in module.lm for n, p in stage.named_parameters()}
+
+
+@pytest.mark.parametrize("family", ["Llama", "Llama (tied)"])
+def test_the_strategy_loads_the_checkpoint_into_pipeline_stages(family, tmp_path):
+    """Each stage reads its own units' tensors (a tied head on the last stage reads the stored embedding): one SGD
+    step from them equals one step of the ``save_pretrained`` model on one process, under every name."""
+    reference = _saved(family, tmp_path)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    logits = reference(input_ids=TOKENS[:, :-1]).logits
+    nn.functional.cross_entropy(logits.flatten(0, 1), TOKENS[:, 1:].flatten()).backward()
+    optimizer.step()
+    trained: dict[str, torch.Tensor] = {}
+    for stage in run_on_ranks(4, pipelined_case, str(tmp_path)):
+        trained.update(stage)
+    expected = dict(reference.named_parameters(remove_duplicate=False))
+    assert trained.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value.detach(), rtol=1e-5, atol=1e-6, msg=name)

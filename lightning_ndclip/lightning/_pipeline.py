@@ -25,6 +25,7 @@ from torch import nn
 from lightning_ndclip._compat import tree_leaves
 from lightning_ndclip.core.agree import AgreedError, raise_agreed
 from lightning_ndclip.core.loss import MicroBatchShare
+from lightning_ndclip.core.parallel.hf_checkpoint import load_hf_checkpoint
 from lightning_ndclip.core.parallel.mesh import ParallelMeshes
 from lightning_ndclip.core.parallel.plan import ParallelPlan
 from lightning_ndclip.core.parallel.tensor_parallel import tied_parameters
@@ -196,6 +197,20 @@ class PipelineRunner:
         indices = [rank + k * self.pp for k in range(config.stages_per_rank)]
         setattr(module, config.module, _PipelineStages(stages, indices, units, config))
         self._ties = [self._tie_group(names, stages, units) for names in config.tied_parameters]
+
+    def load_hf_checkpoint(self, module: nn.Module, directory: Any, device: torch.device) -> None:
+        """Load a Hugging Face checkpoint into this rank's stages of a ``transformers`` model, each reading the
+        tensors of the units it holds (:func:`~lightning_ndclip.core.parallel.hf_checkpoint.load_hf_checkpoint`)."""
+        stages = getattr(module, self.config.module)
+        if not isinstance(stages, _PipelineStages):
+            raise ValueError(
+                "NDParallelStrategy(hf_checkpoint=..., pp > 1) loads into the stages the strategy cuts from a transformers "
+                "model (PipelineOptions(module=...)); load stages built in configure_model with load_hf_checkpoint"
+            )
+        per_stage = stage_units_of(stages.units, stages.split_points, self.pp * self.config.stages_per_rank)
+        for index, stage in zip(stages.indices, stages):
+            elsewhere = [unit for unit in stages.units if unit not in per_stage[index]]
+            load_hf_checkpoint(stage, directory, device=device, held_elsewhere=elsewhere)
 
     def _schedule(self, stages: dict[int, nn.Module]) -> Any:
         config = self.config

@@ -138,11 +138,10 @@ def _check_plan_and_pipeline(
     plan: ParallelPlan,
     pipeline: PipelineOptions,
     sizes: dict[str, int],
-    hf_checkpoint: str | os.PathLike[str] | None,
 ) -> None:
     """The arguments that must agree with the sizes: a tp plan needs tp > 1 (:func:`check_plan_sizes`); the
-    split points make ``pp x stages_per_rank`` stages; a Hugging Face checkpoint loads into a whole model (pp = 1);
-    ``transformers`` models are cut along the sequence outside a pipeline."""
+    split points make ``pp x stages_per_rank`` stages; ``transformers`` models are cut along the sequence outside a
+    pipeline."""
     tp, pp, ep, cp = sizes["tp"], sizes["pp"], sizes["ep"], sizes["cp"]
     check_plan_sizes(plan.tp_plan, tp, ep, cp)
     if plan.tp_plan == "auto" and cp > 1 and pp > 1:
@@ -155,11 +154,6 @@ def _check_plan_and_pipeline(
         raise ValueError(
             f"pp={pp} x stages_per_rank={pipeline.stages_per_rank} = {stages} stages need {stages - 1} "
             f"PipelineOptions(split_points), got {list(pipeline.split_points)}"
-        )
-    if hf_checkpoint is not None and pp > 1:
-        raise ValueError(
-            "NDParallelStrategy(hf_checkpoint=..., pp > 1): each pipeline rank holds some stages of the model, "
-            "and loading into stages is not supported yet; load the checkpoint before the split (from_pretrained)"
         )
 
 
@@ -245,7 +239,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             LightningModule's ``transformers`` model once it is parallelized, each rank reading only its
             shards (:func:`~lightning_ndclip.core.parallel.hf_checkpoint.load_hf_checkpoint`). Build the model on
             the meta device (``with torch.device("meta")``, or ``Trainer.init_module(empty_init=True)``)
-            and no rank ever holds all of it. Not with ``pp > 1`` (a ``ValueError``).
+            and no rank ever holds all of it. With ``pp > 1``, each rank loads its stages' tensors.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: from the accelerator.
         timeout: process-group timeout.
 
@@ -290,7 +284,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         _check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
         self._plan = plan or ParallelPlan()
         self._pp = pipeline or PipelineOptions()
-        _check_plan_and_pipeline(self._plan, self._pp, sizes, hf_checkpoint)
+        _check_plan_and_pipeline(self._plan, self._pp, sizes)
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -516,7 +510,9 @@ class NDParallelStrategy(ModelParallelStrategy):
                 "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel`."
                 f" The `{type(self).__name__}` only supports the new FSDP2 APIs in PyTorch >= 2.4."
             )
-        if self._hf_checkpoint is not None:
+        if self._hf_checkpoint is not None and self._pipeline is not None:
+            self._pipeline.load_hf_checkpoint(module, self._hf_checkpoint, self.root_device)
+        elif self._hf_checkpoint is not None:
             load_hf_checkpoint(self._transformers_model(module), self._hf_checkpoint, device=self.root_device)
         _compat.materialize_distributed_module(model, self.root_device)
         check_ties(module, self._ties)

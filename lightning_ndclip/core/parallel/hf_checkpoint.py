@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +128,12 @@ def _name_shards(out: Path, files: list[list[str]], nbytes: int) -> None:
 
 
 def load_hf_checkpoint(
-    model: nn.Module, directory: str | os.PathLike[str], *, device: torch.device | str | None = None, strict: bool = True
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    device: torch.device | str | None = None,
+    strict: bool = True,
+    held_elsewhere: Collection[str] = (),
 ) -> None:
     """Load the Hugging Face checkpoint in ``directory`` (``*.safetensors``, one file or sharded) into
     ``model``, a ``transformers`` model (or a module holding one under the same names) that may be
@@ -146,6 +152,10 @@ def load_hf_checkpoint(
       experts, under ``tp`` its rows of the gate and of the up projection), never a whole packed weight.
     * The buffers a checkpoint does not store (``persistent=False``) are recomputed by the model's own
       ``_init_weights``; one that it leaves unset is an error naming it, never uninitialized memory.
+    * A pipeline stage (a copy of the model holding some of its units) names the units other stages hold in
+      ``held_elsewhere`` (module names): their tensors are skipped, not refused; a weight of the stage that the
+      model declares tied to one stored under another unit (a last stage's ``lm_head`` tied to the first
+      stage's embedding) is read from that tensor.
 
     Raises:
         ValueError: before anything is allocated, the same on every rank (every rank reads the same
@@ -159,7 +169,7 @@ def load_hf_checkpoint(
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     reader = HuggingFaceStorageReader(str(directory))
-    to_read, pieces = _names_to_read(model, reader.read_metadata().state_dict_metadata, strict)
+    to_read, pieces = _names_to_read(model, reader.read_metadata().state_dict_metadata, strict, tuple(held_elsewhere))
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         _to_empty_keeping_ties(model, torch.device(device) if device is not None else _default_device())
     _recompute_unsaved_buffers(model)
@@ -193,14 +203,20 @@ def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
             setattr(model.get_submodule(path), attribute, first)
 
 
-def _names_to_read(model: nn.Module, stored: dict[str, Any], strict: bool) -> tuple[dict[str, str], dict[str, list[Piece]]]:
+def _names_to_read(
+    model: nn.Module, stored: dict[str, Any], strict: bool, held_elsewhere: tuple[str, ...] = ()
+) -> tuple[dict[str, str], dict[str, list[Piece]]]:
     """``{checkpoint name: model name}`` for each parameter and persistent buffer of ``model`` stored as the
-    model holds it (one name of a tied tensor), and ``{model name: pieces}`` for each one ``transformers``
-    assembles from several stored tensors; checked against the checkpoint's names and shapes before anything
-    is read."""
+    model holds it (one name of a tied tensor, or the tensor it is declared tied to), and ``{model name: pieces}``
+    for each one ``transformers`` assembles from several stored tensors; checked against the checkpoint's names
+    and shapes before anything is read. Tensors of the modules ``held_elsewhere`` are left out."""
     state = model.state_dict(keep_vars=True)
     conversions = Conversions(model)
+    elsewhere = tuple(f"{unit}." for unit in held_elsewhere)
     from_stored = {key: conversions.rename(key) for key in stored}
+    declared_ties = getattr(model, "all_tied_weights_keys", None) or {}
+    held_here = {name: key for key, name in from_stored.items()}
+    from_stored = {key: name for key, name in from_stored.items() if not name.startswith(elsewhere)}
     converted = {key for key, name in from_stored.items() if conversions.converted(name) is not None}
     shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
     assembly = assemble(conversions, shapes, {key: tuple(stored[key].size) for key in converted})
@@ -212,8 +228,11 @@ def _names_to_read(model: nn.Module, stored: dict[str, Any], strict: bool) -> tu
     missing: list[str] = []
     for names in aliases.values():
         found = next((name for name in names if name in to_stored), None)
+        source = next((declared_ties[name] for name in names if declared_ties.get(name) in held_here), None)
         if found is not None:
             to_read[to_stored[found]] = found
+        elif source is not None and source.startswith(elsewhere):  # tied to a tensor another stage holds
+            to_read[held_here[source]] = names[0]
         elif not any(name in assembly.targets for name in names):
             missing.append(" = ".join(names))
     missing += assembly.missing
