@@ -159,3 +159,18 @@ def test_what_cannot_be_cut_exactly_is_refused_naming_it():
     assert "length 6 is not a multiple of 4" in length and "pad_to_multiple_of" in length
     assert "must be a dict holding 'input_ids'" in not_a_dict and "list" in not_a_dict
     assert "2-D [rows, seq] padding mask" in mask
+
+
+def _no_transformers_model() -> str:
+    from lightning_ndclip.core.parallel.mesh import ParallelDims
+    from lightning_ndclip.core.parallel.plan import parallelize
+
+    meshes = ParallelDims(world_size=2, dp_shard=1, cp=2).build_mesh("cpu")
+    with pytest.raises(ValueError) as error:
+        parallelize(torch.nn.Linear(4, 4), meshes, tp_plan="auto")
+    return str(error.value)
+
+
+def test_auto_with_cp_and_no_transformers_model_is_refused():
+    # the strategy would cut the batches of a model whose attention nobody routed: refused instead
+    assert "holds none" in run_on_ranks(2, _no_transformers_model)[0]

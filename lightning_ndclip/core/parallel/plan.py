@@ -103,7 +103,13 @@ def parallelize(
         if cp > 1:  # their attention over the sequence cut along cp
             from lightning_ndclip.core.parallel.hf_context import context_parallelize
 
-            for _, model in hf.transformers_models(module):
+            models = hf.transformers_models(module)
+            if not models:
+                raise ValueError(
+                    f"tp_plan='auto' with cp > 1 cuts the sequences of transformers models, and {type(module).__name__} "
+                    "holds none: give your own model's attention context_parallel_attention and drop tp_plan='auto'"
+                )
+            for _, model in models:
                 context_parallelize(model, meshes["cp"])
 
         if ep > 1:  # whole experts over ep, each split over tp along its width when tp > 1
