@@ -178,9 +178,10 @@ def _masked_attention(
     rule: _Attend,
 ) -> torch.Tensor:
     mask = None
-    if rule.is_causal:
-        behind = positions[:, None] - kv_positions[None, :]  # [q, kv]
-        allowed = behind >= 0 if rule.window is None else (behind >= 0) & (behind < rule.window)
+    if rule.is_causal:  # boolean [q, kv] masks only: no wider temporary of the mask's size
+        allowed = kv_positions[None, :] <= positions[:, None]
+        if rule.window is not None:
+            allowed &= kv_positions[None, :] > positions[:, None] - rule.window
         mask = allowed[None, None]  # [1, 1, q, kv]
     if sample_ids is not None and kv_ids is not None:
         same = (sample_ids[:, :, None] == kv_ids[:, None, :])[:, None]  # [batch, 1, q, kv]
