@@ -174,3 +174,16 @@ def _no_transformers_model() -> str:
 def test_auto_with_cp_and_no_transformers_model_is_refused():
     # the strategy would cut the batches of a model whose attention nobody routed: refused instead
     assert "holds none" in run_on_ranks(2, _no_transformers_model)[0]
+
+
+def _dynamic_rope() -> str:
+    cp = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))["cp"]
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ValueError) as error:
+        context_parallelize(_model("Llama", rope_parameters=rope), cp)
+    return str(error.value)
+
+
+def test_a_rotary_embedding_that_depends_on_the_calls_length_is_refused():
+    # dynamic NTK / longrope rescale by the largest position of the call: each cp rank would see another
+    assert "rotary embedding is 'dynamic'" in run_on_ranks(2, _dynamic_rope)[0]

@@ -31,6 +31,7 @@ Each layer's ``attention_dropout`` must be 0 in training (a ring cannot replay o
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -157,6 +158,8 @@ class _RingMask:
     query_docs: torch.Tensor | None
     key_docs: torch.Tensor | None
     kv_exchange: Literal["ring", "all_gather"]
+    used: list[str] = field(default_factory=list, compare=False)
+    """The attention modules that ran through the ring in this call."""
 
 
 def _documents(
@@ -219,8 +222,29 @@ def context_parallelize(model: Any, cp: DeviceMesh) -> None:
                 f"cp > 1: {name} does not take an attention implementation from transformers' AttentionInterface, "
                 "so its attention cannot be routed to ring attention; train this model without cp"
             )
+    if getattr(config, "is_decoder", None) is False and any(getattr(m, "is_causal", None) is False for m in model.modules()):
+        raise ValueError(  # BERT-style: bidirectional attention unless config.is_decoder
+            f"cp > 1: {name}'s config.is_decoder is False: its attention is bidirectional, an attention mask the ring "
+            "attention does not build; set config.is_decoder = True for a causal LM, or train this model without cp"
+        )
+    layer_types = [kind for kind in getattr(config, "layer_types", None) or () if kind not in _RING_LAYER_TYPES]
+    if layer_types:
+        raise ValueError(
+            f"cp > 1: {name}'s config.layer_types holds {layer_types[0]!r} layers, which mix the sequence other than "
+            "by the attention ring attention replaces; train this model without cp"
+        )
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    dynamic = sorted(_rope_types(rope) & _DYNAMIC_ROPE)
+    if dynamic:
+        raise ValueError(
+            f"cp > 1: {name}'s rotary embedding is {dynamic[0]!r}, whose frequencies depend on the largest position of the "
+            "call, which differs between the cp ranks; train this model without cp, or with a static rope_type"
+        )
+    if getattr(config, "model_type", None) in _NOT_EXACT:
+        raise ValueError(f"cp > 1: {name} {_NOT_EXACT[config.model_type]}; train this model without cp")
     base = getattr(model, "base_model", model)
-    base.register_forward_pre_hook(_global_positions, with_kwargs=True)
+    numbering = next((type(m).__name__ for m in model.modules() if hasattr(m, "create_position_ids_from_input_ids")), None)
+    base.register_forward_pre_hook(functools.partial(_global_positions, own_numbering=numbering), with_kwargs=True)
     base.register_forward_hook(_end_of_call)
     if base is not model:
         model.register_forward_pre_hook(_shifted_labels, with_kwargs=True)
@@ -229,6 +253,26 @@ def context_parallelize(model: Any, cp: DeviceMesh) -> None:
 
 _MASKS_THE_RING_DOES_NOT_BUILD = {"attention_chunk_size": None, "is_causal": True, "use_bidirectional_attention": False}
 """Config fields that change transformers' mask beyond causal, window, padding and packing, and their plain value."""
+_RING_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "moe", "dense"}
+"""``config.layer_types`` the ring computes (chunked: refused by ``attention_chunk_size``) or that mix no tokens."""
+
+
+_DYNAMIC_ROPE = {"dynamic", "longrope"}
+"""Rope types whose frequencies ``transformers`` updates from the call's largest position (``dynamic_rope_update``)."""
+_NOT_EXACT = {
+    "phimoe": "differs from one device under cp (found by the sweep over every family; the cause is not yet known)",
+    "doge": "reads its attention mask as a tensor, which under cp it is not",
+    "git": "adds its own mask to the attention mask, which under cp is built by the ring",
+}
+"""Families (``config.model_type``) the sweep over every causal LM finds wrong or failing under cp, refused by name."""
+
+
+def _rope_types(parameters: Any) -> set[str]:
+    """Every ``rope_type`` of a config's rope parameters (Gemma 3 nests one dict per layer type)."""
+    if not isinstance(parameters, Mapping):
+        return set()
+    found = {parameters[key] for key in ("rope_type", "type") if isinstance(parameters.get(key), str)}
+    return found.union(*(_rope_types(value) for value in parameters.values()))
 
 
 def _register(original: str) -> str:
@@ -262,6 +306,7 @@ def _attention_for(original: str) -> Callable[..., tuple[torch.Tensor, None]]:
                     "without cp"
                 )
             return _original_attention(module, original)(module, query, key, value, attention_mask, **kwargs)
+        attention_mask.used.append(type(module).__name__)
         return _sharded_attention(attention_mask, module, query, key, value, **kwargs), None
 
     return attention
@@ -341,9 +386,10 @@ class _Call:
 
 
 def _global_positions(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, own_numbering: str | None
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """The base model's pre-hook: global ``position_ids`` where none are given, no cache."""
+    """The base model's pre-hook: this call's mask, and global ``position_ids`` where none are given (refused for a
+    model that numbers positions its own way: ``own_numbering``, the module that does)."""
     shard = _ACTIVE.get()
     if shard is None:
         return None
@@ -360,6 +406,11 @@ def _global_positions(
             f"{shard.positions.numel()}: call the model on the batch the strategy cut (training_step's batch)"
         )
     position_ids = call.get("position_ids")
+    if position_ids is None and own_numbering is not None:
+        raise ValueError(
+            f"cp > 1: {own_numbering} numbers positions from its padding_idx (create_position_ids_from_input_ids), not "
+            "0, 1, ...; pass the position_ids the model should see in the batch"
+        )
     docs = _documents(shard, call.get("attention_mask"), position_ids, not _uses_cache(module, call), rows)
     _CALL.set(_RingMask(shard.group, shard.positions, *docs, shard.kv_exchange))
     if position_ids is None:
@@ -377,7 +428,14 @@ def _uses_cache(module: nn.Module, call: _Call) -> bool:
 
 
 def _end_of_call(module: nn.Module, args: Any, output: Any) -> None:
+    ring = _CALL.get()
     _CALL.set(None)
+    if ring is not None and not ring.used:
+        raise ValueError(
+            f"cp > 1: no attention of {type(module).__name__} ran through the ring attention: it mixes the sequence "
+            "some other way (state-space or recurrent layers), which a cut sequence does not compute; train this "
+            "model without cp"
+        )
 
 
 def _shifted_labels(
