@@ -63,8 +63,8 @@ KNOWN_WRONG: dict[str, str] = {}
 """family -> why its context-parallel result differs from one device (or crashes) without a refusal; empty: those the
 sweep found (PhiMoE wrong, Doge and GIT crashing) are refused by name in hf_context. A new family here fails the test."""
 
-MIN_EXACT = 90
-"""The sweep must find at least this many EXACT families (what was measured, less a margin)."""
+MIN_EXACT = 55
+"""The sweep must find at least this many EXACT families (measured: 94 on transformers 5.24, 61 on 5.0, the floor)."""
 
 
 def _overrides(config_class: type, family: str) -> dict[str, Any]:
@@ -210,7 +210,7 @@ def test_every_causal_lm_family_is_exact_or_refused():
     print(counts)
     failures = {f: r for f, r in outcomes.items() if r[0] in ("WRONG", "CRASHED") and f not in KNOWN_WRONG}
     assert not failures
-    assert counts.get("EXACT", 0) >= MIN_EXACT  # 94 measured (transformers 5.24)
+    assert counts.get("EXACT", 0) >= MIN_EXACT
     for family, (outcome, detail, *_) in outcomes.items():  # a refusal names the config field or the feature
         if outcome == "REFUSED":
             assert detail.startswith("cp > 1: ") and any(cause in detail for cause in _CAUSES), (family, detail)
