@@ -5,7 +5,7 @@ TensorBoard.
     python examples/finetune_hf.py                                   # a tiny Qwen3-MoE, 4 CPU ranks: dp_shard=4, ep=2
     python examples/finetune_hf.py --dp-shard 2 --tp 2 --ep 2        # experts over ep, each split over tp
     python examples/finetune_hf.py --family llama --dp-shard 2 --tp 2 --verify   # checked against one process
-    python examples/finetune_hf.py --family llama --dp-shard 2 --cp 2 --ep 1 --verify   # sequences cut over cp
+    python examples/finetune_hf.py --dp-shard 2 --cp 2 --verify      # sequences cut over cp, experts over ep
     python examples/finetune_hf.py --model path/to/checkpoint --accelerator gpu --devices 8 --ep 8
     torchrun --nproc-per-node 4 examples/finetune_hf.py              # or under SLURM: srun python ...
 
