@@ -7,6 +7,7 @@ TensorBoard.
     python examples/finetune_hf.py --family llama --dp-shard 2 --tp 2 --verify   # checked against one process
     python examples/finetune_hf.py --dp-shard 2 --cp 2 --verify      # sequences cut over cp, experts over ep
     python examples/finetune_hf.py --model path/to/checkpoint --accelerator gpu --devices 8 --ep 8
+    python examples/finetune_hf.py --model path/to/checkpoint --pp 2 --dp-shard 2 --ep 1   # stages, loaded from disk
     torchrun --nproc-per-node 4 examples/finetune_hf.py              # or under SLURM: srun python ...
 
 ``--model`` is a local checkpoint directory (``config.json`` and safetensors files, as ``save_pretrained``
@@ -25,12 +26,13 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 from _common import add_launch_args, print_summary, share_cpu_threads  # examples/_common.py
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 from train_moe import topic_documents  # examples/train_moe.py: packed Markov-chain documents
 
-from lightning_ndclip import GlobalNormClip, NDParallelStrategy, ParallelPlan, VerifyOneDevice
+from lightning_ndclip import GlobalNormClip, NDParallelStrategy, ParallelPlan, PipelineOptions, VerifyOneDevice
 
 TINY: dict[str, tuple[str, str, dict[str, Any]]] = {
     # --family: (config class, model class, arguments), each small enough for CPU ranks
@@ -64,19 +66,26 @@ class FineTune(L.LightningModule):
         super().__init__()
         self.args = args
         self.lm = build_model(args)
+        self.vocab = self.lm.config.get_text_config().vocab_size  # self.lm becomes its stages under --pp
 
     def count_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:  # what the shifted loss averages over
         return (batch["labels"][:, 1:] != -100).sum()
 
     def training_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.args.pp > 1:  # stages cut from the model: the last one's logits against the next tokens
+            labels = batch["labels"]
+            next_tokens = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+            return self.trainer.strategy.run_pipeline(batch["input_ids"], next_tokens)
         return self.lm(**batch).loss
+
+    def pipeline_loss(self, logits: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), next_tokens.flatten(), ignore_index=-100, reduction="none")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.args.lr, weight_decay=0.01)
 
     def train_dataloader(self) -> DataLoader:
-        vocab = self.lm.config.get_text_config().vocab_size
-        tokens, next_tokens = topic_documents(self.args.rows, self.args.seq_len, vocab, self.args.topics).tensors
+        tokens, next_tokens = topic_documents(self.args.rows, self.args.seq_len, self.vocab, self.args.topics).tensors
         labels = torch.cat([tokens[:, :1], next_tokens[:, :-1]], dim=1)  # transformers' loss shifts them back itself
         rows = [{"input_ids": t, "labels": y} for t, y in zip(tokens, labels)]
         return DataLoader(rows, batch_size=self.args.batch_size, shuffle=True)
@@ -90,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dp-shard", type=int, default=-1)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--cp", type=int, default=1, help="context parallel: each sequence cut into 2 x cp chunks")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel: stages cut from the model's own plan")
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--topics", type=int, default=4)
     p.add_argument("--vocab", type=int, default=64)
@@ -114,8 +124,9 @@ def decoder_layer(model: torch.nn.Module) -> type[torch.nn.Module]:
 def strategy_kwargs(args: argparse.Namespace, model: torch.nn.Module) -> dict[str, Any]:
     auto = args.tp > 1 or args.ep > 1 or args.cp > 1
     plan = ParallelPlan(tp_plan="auto" if auto else None, fsdp_units=[decoder_layer(model)])
-    return dict(dp_shard=args.dp_shard, cp=args.cp, tp=args.tp, ep=args.ep, plan=plan, loss_normalization="token_mean",
-                log_loss="train/loss", hf_checkpoint=args.model)  # fmt: skip
+    pipeline = PipelineOptions(module="lm") if args.pp > 1 else None
+    return dict(dp_shard=args.dp_shard, cp=args.cp, tp=args.tp, pp=args.pp, ep=args.ep, plan=plan, pipeline=pipeline,
+                loss_normalization="token_mean", log_loss="train/loss", hf_checkpoint=args.model)  # fmt: skip
 
 
 def main() -> None:

@@ -120,11 +120,12 @@ def test_finetune_hf_trains_a_transformers_moe_with_its_experts_over_ep(tmp_path
 
 
 def test_finetune_hf_loads_a_local_checkpoint_into_the_shards(tmp_path):
-    """A checkpoint as save_pretrained writes it, built on meta and loaded by the strategy on dp_shard=2 x tp=2."""
+    """A checkpoint as save_pretrained writes it, built on meta and loaded by the strategy into pipeline stages on
+    pp=2 x dp_shard=2 (the documented command)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "checkpoint")
-    args = ("--model", str(tmp_path / "checkpoint"), "--dp-shard", "2", "--tp", "2", "--ep", "1", "--max-steps", "2")
+    args = ("--model", str(tmp_path / "checkpoint"), "--pp", "2", "--dp-shard", "2", "--ep", "1", "--max-steps", "2")
     out = _run("finetune_hf.py", *args, "--rows", "32", "--logdir", str(tmp_path / "runs"), cwd=tmp_path)
     assert 0 < _summary(out, steps=2)["loss"] < 10
