@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 pytest.importorskip("transformers")
 
+from lightning_ndclip import _compat  # noqa: E402
 from lightning_ndclip.core.parallel.hf_context import context_parallelize, shard_batch  # noqa: E402
 
 ROWS, SEQ = 2, 16
@@ -99,7 +100,7 @@ def _tolerance(family: str) -> float:
     """float64's; float32's for a family whose attention transformers runs eagerly (its softmax is taken in float32)
     or soft-caps (transformers 5.0 runs Gemma 2 on sdpa, which skips the cap: 1e-7 at these scores)."""
     config = tiny_causal_lm(family).config
-    plain = config._attn_implementation == "sdpa" and getattr(config, "attn_logit_softcapping", None) is None
+    plain = _compat.attention_implementation(config) == "sdpa" and getattr(config, "attn_logit_softcapping", None) is None
     return 1e-10 if plain else 1e-5
 
 

@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 from harness import run_on_ranks
 from torch.distributed.device_mesh import init_device_mesh
-from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
+from lightning_ndclip import _compat  # noqa: E402
 from lightning_ndclip.core.parallel.hf_context import context_parallelize, shard_batch  # noqa: E402
 
 ROWS, SEQ, VOCAB = 2, 16, 32
@@ -108,7 +108,7 @@ def _build(family: str, architecture: str) -> torch.nn.Module:
     return model
 
 
-class _Float32Ops(TorchDispatchMode):
+class _Float32Ops(_compat.DispatchMode):
     """Records the ops of a float64 model that compute in a lower precision (an eager float32 softmax, a norm or a
     router taken in float32): the one-device reference then carries float32 rounding."""
 
@@ -216,5 +216,12 @@ def test_every_causal_lm_family_is_exact_or_refused():
             assert detail.startswith("cp > 1: ") and any(cause in detail for cause in _CAUSES), (family, detail)
 
 
-_CAUSES = ("config.", "AttentionInterface", "attention mask its model built itself", "padding_idx", "ring attention",
-           "rotary embedding", "under cp")
+_CAUSES = (
+    "config.",
+    "AttentionInterface",
+    "attention mask its model built itself",
+    "padding_idx",
+    "ring attention",
+    "rotary embedding",
+    "under cp",
+)

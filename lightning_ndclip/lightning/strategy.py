@@ -797,17 +797,18 @@ class NDParallelStrategy(ModelParallelStrategy):
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if not (self._log_eval_loss and self._loss_normalization and isinstance(loss, torch.Tensor)):
             return
-        weighted = None
         if self.parallel_dims.pp > 1:  # run_pipeline's evaluation loss: the sum of the batch's per-token losses
             if self._loss_normalization != "token_mean" or self.parallel_dims.cp > 1:
                 return
             module: Any = self._module
             weighted = loss.detach(), as_count(module.count_tokens(batch), self.root_device)
+        else:
+            weighted = self._weighted(hook, loss.detach(), batch, own=any(loss is own for own in own_losses))
         metric = self._eval_losses.get(name)
         if metric is None:
             group = self.meshes["dp_cp"].get_group()
             metric = self._eval_losses[name] = GlobalMeanLoss(process_group=group).to(self.root_device)
-        metric.update(*(weighted or self._weighted(hook, loss.detach(), batch, own=any(loss is own for own in own_losses))))
+        metric.update(*weighted)
         self._log_exact(hook, name, metric, on_step=False, on_epoch=True, metric_attribute=name)
 
     def _weighted(self, hook: str, loss: torch.Tensor, batch: Any, own: bool) -> tuple[torch.Tensor, torch.Tensor]:
