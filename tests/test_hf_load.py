@@ -276,8 +276,9 @@ class _PipelinedMetaLM(_MetaLM):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(TOKENS.repeat(2, 1)), batch_size=2)
 
 
-def pipelined_case(directory: str) -> dict:
-    """One step of pp=2 x dp_shard=2 loading ``directory`` into the stages: this rank's stage parameters, whole."""
+def pipelined_case(directory: str, exported: str) -> dict:
+    """One step of pp=2 x dp_shard=2 loading ``directory`` into the stages, then the stages exported to
+    ``exported``: this rank's stage parameters, whole."""
     use_existing_process_group()
     module = _PipelinedMetaLM(directory)
     plan = nd.ParallelPlan(fsdp_units=[type(module.lm.model.layers[0])])
@@ -290,22 +291,31 @@ def pipelined_case(directory: str) -> dict:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(module)
+    nd.save_hf_checkpoint(module.lm, exported, max_shard_bytes=2**10)  # each stage's ranks write several files
     return {n: p.detach().full_tensor() for stage in module.lm for n, p in stage.named_parameters()}
 
 
-@pytest.mark.parametrize("family", ["Llama", "Llama (tied)"])
-def test_the_strategy_loads_the_checkpoint_into_pipeline_stages(family, tmp_path):
+@pytest.mark.parametrize("family", ["Qwen3-MoE", "Llama (tied)"])
+def test_the_strategy_loads_the_checkpoint_into_pipeline_stages_and_exports_them(family, tmp_path):
     """Each stage reads its own units' tensors (a tied head on the last stage reads the stored embedding): one SGD
-    step from them equals one step of the ``save_pretrained`` model on one process, under every name."""
-    reference = _saved(family, tmp_path)
+    step from them equals one step of the ``save_pretrained`` model on one process, under every name. Exported
+    from the stages, the trained model is what ``save_pretrained`` writes of it: the same names (a tied head
+    written once, as the embedding; the experts one tensor each, gathered from their FSDP shards), and
+    ``from_pretrained`` reads back the stages' tensors bit for bit."""
+    reference = _saved(family, tmp_path / "pretrained")
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     logits = reference(input_ids=TOKENS[:, :-1]).logits
     nn.functional.cross_entropy(logits.flatten(0, 1), TOKENS[:, 1:].flatten()).backward()
     optimizer.step()
     trained: dict[str, torch.Tensor] = {}
-    for stage in run_on_ranks(4, pipelined_case, str(tmp_path)):
+    for stage in run_on_ranks(4, pipelined_case, str(tmp_path / "pretrained"), str(tmp_path / "exported")):
         trained.update(stage)
     expected = dict(reference.named_parameters(remove_duplicate=False))
     assert trained.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(trained[name], value.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    assert _stored(tmp_path / "exported").keys() == _stored(tmp_path / "pretrained").keys()  # one tensor per expert
+    assert len(list((tmp_path / "exported").glob("*.safetensors"))) > 2
+    loaded = type(reference).from_pretrained(tmp_path / "exported")
+    for name, value in loaded.named_parameters(remove_duplicate=False):
+        assert torch.equal(value, trained[name]), name

@@ -282,32 +282,100 @@ def test_pipelined_training_resumes_from_a_checkpoint_exactly(tmp_path):
             assert torch.equal(value, r["resumed"][name]), name
 
 
-def _pp_other_layout_case(directory: str) -> str:
+class _AnyLayoutLM(_PipelinedLM):
+    """Adam on the tied TinyLM with the global token mean: a pipeline on pp > 1, the model itself on pp = 1."""
+
+    def __init__(self, dp: int) -> None:
+        super().__init__()
+        self.model, self.dp = TinyLM(tied=True), dp
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.strategy.pipeline_mesh is not None:
+            return self.trainer.strategy.run_pipeline(*batch)
+        return self.pipeline_loss(self.model(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def _fit_on(layout: str | None, epochs: int, ckpt: str | None = None, save: str | None = None) -> dict:
+    """Fit ``_AnyLayoutLM`` on 2 ranks: pp=2 cut at ``layout`` (dp 1), or pp=1 x dp_shard=2 (``None``); resume
+    from ``ckpt`` (its weights first moved by +1, so only a real restore of weights and Adam state undoes it);
+    save at the end to ``save``. This rank's parameters, whole, under the unsplit model's names."""
+    if layout is None:
+        plan = nd.ParallelPlan(fsdp_units=[TinyLM])  # one unit: the tie stays one parameter
+        strategy = nd.NDParallelStrategy(dp_shard=2, plan=plan, loss_normalization="token_mean")
+    else:
+        tie = [("embed.weight", "head.weight")]
+        pipeline = nd.PipelineOptions(split_points=[layout], microbatches=2, tied_parameters=tie)
+        strategy = nd.NDParallelStrategy(pp=2, dp_shard=1, pipeline=pipeline, loss_normalization="token_mean")
+    module = _AnyLayoutLM(dp=1 if layout else 2)
+    if ckpt is not None:
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(1.0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
+        callbacks=[nd.GlobalNormClip(PP_MAX_NORM)], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, ckpt_path=ckpt)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    stages = [module.model] if layout is None else list(module.model)
+    return {n: p.detach().full_tensor() for s in stages for n, p in s.named_parameters(remove_duplicate=False)}
+
+
+def _pp_any_layout_case(directory: str) -> dict:
     use_existing_process_group()
+    straight = _fit_on("layers.2", 3)
+    _fit_on("layers.2", 1, save=f"{directory}/pp2.ckpt")
+    _fit_on(None, 1, save=f"{directory}/pp1.ckpt")
+    return {
+        "straight": straight,
+        "pp2 -> other split": _fit_on("layers.1", 3, ckpt=f"{directory}/pp2.ckpt"),
+        "pp2 -> pp1": _fit_on(None, 3, ckpt=f"{directory}/pp2.ckpt"),
+        "pp1 -> pp2": _fit_on("layers.3", 3, ckpt=f"{directory}/pp1.ckpt"),
+    }
 
-    def trainer(split: str) -> L.Trainer:
-        pipeline = nd.PipelineOptions(split_points=[split], microbatches=2)
-        return L.Trainer(accelerator="cpu", devices=2, strategy=nd.NDParallelStrategy(pp=2, dp_shard=1, pipeline=pipeline),
-                         max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)  # fmt: skip
 
-    first, module = trainer("layers.2"), _AdamPipelinedLM()
+def test_a_pipeline_checkpoint_resumes_on_another_pipeline_layout_exactly(tmp_path):
+    """Saved on pp=2 cut at layers.2 after one epoch, resumed on another cut or on pp=1 (and from pp=1 on a pipeline):
+    two more epochs of Adam equal three straight epochs, every parameter (the head tied to the embedding: one Adam
+    state on pp=1, a copy on each end stage). It was refused ('saved with the pipeline layout ...')."""
+    merged: dict[str, dict[str, torch.Tensor]] = {}
+    for rank in run_on_ranks(2, _pp_any_layout_case, str(tmp_path)):
+        for run, params in rank.items():
+            merged.setdefault(run, {}).update(params)
+    straight = merged.pop("straight")
+    assert set(straight) == {"embed.weight", "head.weight", *(f"layers.{i}.{w}" for i in range(4) for w in ("weight", "bias"))}
+    for run, params in merged.items():
+        assert params.keys() == straight.keys(), run
+        for name, value in straight.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-10, atol=1e-12, msg=f"{run}: {name}")
+
+
+def _pp_user_stages_other_layout_case(directory: str) -> str:
+    use_existing_process_group()
+    module = _UserStagedLM()
     module.dp = 1
+    strategy = nd.NDParallelStrategy(pp=2, dp_shard=1, pipeline=nd.PipelineOptions(microbatches=2), loss_normalization="token_mean")
+    first = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     first.fit(module)
     first.save_checkpoint(f"{directory}/pp.ckpt")
-    module = _AdamPipelinedLM()
-    module.dp = 1
     with pytest.raises(ValueError) as info:
-        trainer("layers.1").fit(module, ckpt_path=f"{directory}/pp.ckpt")
+        _fit_on("layers.2", 2, ckpt=f"{directory}/pp.ckpt")
     return str(info.value)
 
 
 @pytest.mark.faults
-def test_resuming_on_another_pipeline_layout_is_refused_naming_both(tmp_path):
-    """It was dcp's missing-key error, while resuming on another mesh (dp, tp) works."""
-    for message in run_on_ranks(2, _pp_other_layout_case, str(tmp_path)):
-        assert "was saved with the pipeline layout {'pp': 2, 'stages_per_rank': 1, 'split_points': ['layers.2']}" in message
-        assert "this run has {'pp': 2, 'stages_per_rank': 1, 'split_points': ['layers.1']}" in message
+def test_stages_built_in_configure_model_resume_on_their_own_layout_only(tmp_path):
+    """Their tensors are named by their own stage keys, which another layout does not hold: refused naming both
+    layouts, on every rank (it was dcp's missing-key error)."""
+    for message in run_on_ranks(2, _pp_user_stages_other_layout_case, str(tmp_path)):
+        assert "'split_points': [], 'names': 'stages'}" in message, message
+        assert "this run has {'pp': 2, 'stages_per_rank': 1, 'split_points': ['layers.2'], 'names': 'unsplit'}" in message
 
 
 class _ValidatedPipelinedLM(_PipelinedLM):

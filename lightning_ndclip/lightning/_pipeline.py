@@ -40,6 +40,7 @@ from lightning_ndclip.core.pipeline import (
     sync_tied_parameters,
     tie_gradients,
 )
+from lightning_ndclip.lightning._pipeline_checkpoint import StageNames
 
 __all__ = ["PipelineRunner"]
 
@@ -250,6 +251,15 @@ class PipelineRunner:
                 group = g
         holders: list[torch.Tensor] = [p for stage in stages for n, p in stage.named_parameters() if n in names]
         return holders, group
+
+    def stage_names(self, module: nn.Module) -> StageNames | None:
+        """How this rank's parameter names map to the unsplit model's (:class:`StageNames`), for stages the
+        strategy cut; ``None`` for stages built in ``configure_model`` (their names are their own)."""
+        stages, name = getattr(module, self.config.module), self.config.module
+        if not isinstance(stages, _PipelineStages):
+            return None
+        prefixes = tuple((f"{name}.{k}.", f"{name}.") for k in range(len(stages)))
+        return StageNames(prefixes, tuple(tuple(f"{name}.{n}" for n in tie) for tie in self.config.tied_parameters))
 
     def local_stages(self, module: nn.Module) -> dict[int, nn.Module]:
         """``{global stage index: stage module}`` of this rank's stages, as set up on ``module``."""

@@ -16,7 +16,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
@@ -29,10 +28,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -58,6 +54,7 @@ from lightning_ndclip.lightning._checkpoint import (
     save_distributed_checkpoint_atomically,
 )
 from lightning_ndclip.lightning._pipeline import PipelineRunner
+from lightning_ndclip.lightning._pipeline_checkpoint import StageNames, load_distributed_checkpoint, read_plan
 from lightning_ndclip.lightning._windows import LossWindows, as_count, as_sample_ids
 from lightning_ndclip.lightning.metrics import GlobalMeanLoss
 
@@ -869,56 +866,79 @@ class NDParallelStrategy(ModelParallelStrategy):
             run_agreed(f"saving the full checkpoint {str(path)!r}", save)
             return None
         checkpoint = {**checkpoint, _PIPELINE_KEY: self._pipeline_layout()}
+        names = self._stage_names()
+        if names is not None and self._dims is not None and self._dims.pp > 1:  # stored under the unsplit names
+            checkpoint["state_dict"] = names.model_state(checkpoint["state_dict"])
+            checkpoint["optimizer_states"] = [names.optimizer_state(s) for s in checkpoint.get("optimizer_states", [])]
         save_distributed_checkpoint_atomically(self, checkpoint, path)
         return None
 
+    def _stage_names(self) -> StageNames | None:
+        """How this rank's names map to the unsplit model's; ``None`` for stages built in configure_model."""
+        if self._pipeline is None:
+            return StageNames()
+        return self._pipeline.stage_names(self._module)
+
     def _pipeline_layout(self) -> dict[str, Any]:
-        """What a checkpoint's stages depend on: each stage's parameters and optimizer state are saved
-        under its own keys, so a resume needs the same pipeline (the other dims may change)."""
+        """The pipeline layout a checkpoint is saved with, and how it names tensors: ``"unsplit"``, the whole
+        model's names (``pp = 1``, or stages the strategy cut: any such layout resumes from it), or
+        ``"stages"`` (stages built in configure_model: only the same layout resumes)."""
         pp = self._dims.pp if self._dims is not None else 1
         if pp == 1:
             return {"pp": 1}
-        return {"pp": pp, "stages_per_rank": self._pp.stages_per_rank, "split_points": list(self._pp.split_points or [])}
+        names = "unsplit" if self._stage_names() is not None else "stages"
+        return {
+            "pp": pp, "stages_per_rank": self._pp.stages_per_rank, "split_points": list(self._pp.split_points or []),
+            "names": names,
+        }  # fmt: skip
 
-    def _refuse_other_pipeline_layout(self, path: Path, weights_only: bool | None) -> None:
-        """Raise ``ValueError`` (the same on every rank: they read the same file) when the checkpoint at
-        ``path`` was saved with another pipeline layout than this run's."""
+    def _checkpoint_names(self, path: Path, weights_only: bool | None) -> StageNames | None:
+        """How to read the distributed checkpoint at ``path``: ``None`` for Lightning's own loading (saved and
+        resumed with ``pp = 1``), else the names of this rank's tensors in it (the same on every rank: they read
+        the same file). A checkpoint saved before names were unsplit (``names`` absent) or by stages built in
+        configure_model resumes on the same layout only.
+
+        Raises:
+            ValueError: naming both layouts, where this run cannot find its tensors in the checkpoint."""
         meta = path / _compat.metadata_filename()
-        if not meta.is_file():  # a full checkpoint (a file), which pp > 1 never writes
-            return
-        saved = torch.load(meta, weights_only=weights_only).get(_PIPELINE_KEY)
+        saved = torch.load(meta, weights_only=weights_only).get(_PIPELINE_KEY) if meta.is_file() else None
+        saved = saved or {"pp": 1}
         here = self._pipeline_layout()
-        if saved is not None and saved != here:
-            raise ValueError(
-                f"the checkpoint {str(path)!r} was saved with the pipeline layout {saved} and this run has {here}: "
-                "each stage's parameters and optimizer states are saved under that stage's own keys. Resume with "
-                "the same pp, stages_per_rank and split_points (dp_replicate, dp_shard, cp and tp may change)"
-            )
+        if saved["pp"] == 1 and here["pp"] == 1:
+            return None
+        if saved["pp"] == 1 or saved.get("names") == "unsplit":
+            names = self._stage_names()
+            if names is not None:
+                return names
+        elif {k: v for k, v in saved.items() if k != "names"} == {k: v for k, v in here.items() if k != "names"}:
+            return StageNames()  # the same stages, under this rank's own names
+        raise ValueError(
+            f"the checkpoint {str(path)!r} was saved with the pipeline layout {saved} and this run has {here}: "
+            "stages built in configure_model (and checkpoints of lightning_ndclip 0.1.0 with pp > 1) save each "
+            "stage's tensors under that stage's own names. Resume with the same pp, stages_per_rank and "
+            "split_points (dp_replicate, dp_shard, cp and tp may change), or let the strategy cut the stages "
+            "(PipelineOptions(module=...)): those checkpoints resume on any pipeline layout"
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """As Lightning's ModelParallelStrategy; with ``pp > 1``, optimizer states use flattened
-        per-parameter keys, so every stage restores its own parameter groups. An incomplete distributed
-        checkpoint directory (no ``meta.pt`` or ``.metadata``, or a shard missing) is refused with the
-        same ``ValueError`` on every rank, saying what is missing; so is a URL (``s3://...``), and a
-        checkpoint saved with another pipeline layout (``pp``, ``stages_per_rank``, ``split_points``;
-        the other dims may change)."""
+        """As Lightning's ModelParallelStrategy. A distributed checkpoint saved or resumed with ``pp > 1`` is
+        read by the unsplit model's names (:mod:`lightning_ndclip.lightning._pipeline_checkpoint`): it resumes on
+        another pipeline layout (``pp``, ``stages_per_rank``, ``split_points``, or ``pp = 1``) as on another
+        mesh. An incomplete distributed checkpoint directory (no ``meta.pt`` or ``.metadata``, or a shard
+        missing) is refused with the same ``ValueError`` on every rank, saying what is missing; so is a URL
+        (``s3://...``), a checkpoint lacking a tensor of this run (naming it), and one saved by stages built in
+        configure_model on another pipeline layout."""
         path = file_system_path(self.broadcast(checkpoint_path))
         refuse_incomplete_checkpoint(self, path)
-        check = partial(self._refuse_other_pipeline_layout, path, weights_only)
-        run_agreed(f"checking the pipeline layout of {str(path)!r}", check)
-        if self._dims is None or self._dims.pp == 1:
+        names = run_agreed(f"checking the pipeline layout of {str(path)!r}", partial(self._checkpoint_names, path, weights_only))
+        if names is None:
             return super().load_checkpoint(path, weights_only=weights_only)
         if not path.is_dir():
             raise ValueError(f"with pp > 1, resume from a distributed (sharded) checkpoint directory, got {path}")
-        options, model = self._optimizer_options(), self._wrapped_model
-        state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
-        for i, optimizer in enumerate(self.optimizers):
-            state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer, options=options)
-        dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=self._module.strict_loading))
-        for i, optimizer in enumerate(self.optimizers):
-            set_optimizer_state_dict(model, optimizer, optim_state_dict=state[f"optimizer_{i}"], options=options)
+        model, optimizers = self._wrapped_model, list(self.optimizers)
+        plan = partial(read_plan, path, model, optimizers, names, self._module.strict_loading)
+        load_distributed_checkpoint(model, run_agreed(f"reading the names in {str(path)!r}", plan))
         return torch.load(path / _compat.metadata_filename(), weights_only=weights_only)
 
     @property

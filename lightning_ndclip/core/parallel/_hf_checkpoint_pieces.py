@@ -13,7 +13,7 @@ rows along the concatenated one). A tensor stored as the model holds it is one p
 * :func:`read_pieces` copies into a rank's local shard, whatever its placements (``Shard``, ``_StridedShard``, on any
   mesh), only the blocks of each stored tensor that the shard holds, read with ``safetensors``' ``get_slice``: no rank
   reads the experts or slices of another, and none holds more than its shard and one block.
-* :func:`gather_piece` assembles one stored tensor on rank 0 from the blocks the ranks hold (one copy of each): no
+* :func:`gather_piece` assembles one stored tensor on one rank from the blocks the ranks hold (one copy of each): no
   rank holds more than that tensor, never a whole packed weight.
 """
 
@@ -343,11 +343,12 @@ def read_pieces(tensor: torch.Tensor, pieces: Sequence[Piece], files: Mapping[st
                     local[into].copy_(source[out_of])
 
 
-def gather_piece(tensor: torch.Tensor, piece: Piece) -> torch.Tensor | None:
-    """``full[piece.index]``, on rank 0 at least (``None`` elsewhere). A whole DTensor is gathered by ``full_tensor``
-    (a collective, every rank gets it); any other piece of a DTensor by ``gather_object`` of the blocks that each rank
-    holds of it (one copy of each block: a rank sends only where it is the first along every dim that replicates),
-    assembled on rank 0 alone. A collective on every rank for a DTensor; none for a plain tensor."""
+def gather_piece(tensor: torch.Tensor, piece: Piece, group: dist.ProcessGroup | None = None) -> torch.Tensor | None:
+    """``full[piece.index]``, on the first rank of ``group`` (the ranks holding ``tensor``; ``None``: the world) at
+    least (``None`` elsewhere). A whole DTensor is gathered by ``full_tensor`` (a collective, every rank gets it); any
+    other piece of a DTensor by ``gather_object`` of the blocks that each rank holds of it (one copy of each block: a
+    rank sends only where it is the first along every dim that replicates), assembled on that rank alone. A
+    collective on every rank of ``group`` for a DTensor; none for a plain tensor."""
     everything = piece.index == whole(piece.name, tensor.shape).index
     if not isinstance(tensor, DTensor):
         return tensor if everything else tensor[piece.index].clone()  # a piece of its own, not a view
@@ -356,8 +357,9 @@ def gather_piece(tensor: torch.Tensor, piece: Piece) -> torch.Tensor | None:
     held = local_indices(tensor)
     local = tensor.to_local()
     mine = [(out, _copy_to_cpu(local[into])) for into, out in blocks(held, piece.index)] if _first_copy(tensor) else []
-    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
+    first = dist.get_rank(group) == 0
+    gathered: list[Any] | None = [None] * dist.get_world_size(group) if first else None
+    dist.gather_object(mine, gathered, group=group, group_dst=0)
     if gathered is None:
         return None
     value = torch.empty(piece.shape(), dtype=tensor.dtype)

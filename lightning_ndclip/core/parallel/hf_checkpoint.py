@@ -15,9 +15,11 @@ that are no box of the global tensor (the packed experts' gate and up slices und
 under the names and in the layout of the model type's conversion mapping: one tensor per expert where
 ``transformers`` packs them) from a model sharded on any mesh, one stored tensor at a time: each is
 gathered (``DTensor.full_tensor``, or, for one expert's tensor, the blocks the ranks hold of it, sent to
-rank 0), rank 0 adds it to the shard it is filling and writes the shard once it reaches
+one rank), the writer adds it to the shard it is filling and writes the shard once it reaches
 ``max_shard_bytes``. No rank holds more than one stored tensor and one shard: the whole model is never
-gathered anywhere, nor is a packed experts weight that is stored one tensor per expert.
+gathered anywhere, nor is a packed experts weight that is stored one tensor per expert. Pipeline stages
+(copies of the model holding some of its units) are written by the ranks holding them, each stage's
+first rank writing its files, and rank 0 the index.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,19 +62,26 @@ def _is_rank_zero() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def save_hf_checkpoint(model: Any, directory: str | os.PathLike[str], *, max_shard_bytes: int = 2**30) -> Path:
-    """Write ``model`` (a ``transformers`` ``PreTrainedModel``, parallelized or not) to ``directory`` as a
-    Hugging Face checkpoint that ``from_pretrained`` loads on one process, bit for bit. Call it on every
-    rank (a collective per sharded stored tensor); rank 0 writes.
+def save_hf_checkpoint(
+    model: Any | Sequence[Any], directory: str | os.PathLike[str], *, max_shard_bytes: int = 2**30
+) -> Path:
+    """Write ``model`` (a ``transformers`` ``PreTrainedModel``, parallelized or not, or this rank's pipeline
+    stages of one: a sequence of stage copies of the model, each holding some of its units) to ``directory`` as a
+    Hugging Face checkpoint that ``from_pretrained`` loads on one process, bit for bit. Call it on every rank,
+    each with its own model or stages (a collective per sharded stored tensor among the ranks holding it).
 
     * The names and layout are ``save_pretrained``'s for a model of this type (``transformers``' conversion
       mapping, reversed): a packed experts weight that ``transformers`` assembles from per-expert tensors
       (``MergeModulelist``, ``Concatenate``) is written as those tensors (Mixtral's
       ``block_sparse_moe.experts.<e>.w1.weight``, Qwen-MoE's ``mlp.experts.<e>.gate_proj.weight``, ...), each
-      gathered on rank 0 from the blocks the ranks hold of it; a model tensor that a conversion this function
-      does not reverse assembles is written as the model holds it, which ``from_pretrained`` reads as is.
+      gathered from the blocks the ranks hold of it; a model tensor that a conversion this function does not
+      reverse assembles is written as the model holds it, which ``from_pretrained`` reads as is.
     * A tied weight (one tensor under several names) is written once, under its first name, as
-      ``save_pretrained`` writes it; ``from_pretrained`` ties it again.
+      ``save_pretrained`` writes it; ``from_pretrained`` ties it again. So is a weight a stage declares tied
+      (``all_tied_weights_keys``) to one another stage holds (a last stage's ``lm_head`` tied to the embedding).
+    * Pipeline stages: the ranks holding the same tensors (one stage's, or the same stages') write them, the
+      lowest of them writing their files; rank 0 names every file and writes the index. Without stages every
+      rank holds every tensor and rank 0 writes all of them.
 
     Returns:
         ``directory``, as a ``Path``.
@@ -79,11 +89,12 @@ def save_hf_checkpoint(model: Any, directory: str | os.PathLike[str], *, max_sha
     from safetensors.torch import save_file
 
     out = Path(directory)
-    writer = _is_rank_zero()
-    if writer:
+    models: list[Any] = list(model) if isinstance(model, (nn.ModuleList, list, tuple)) else [model]
+    holders = _Holders.of(models)
+    if holders.writer:
         out.mkdir(parents=True, exist_ok=True)
-        model.config.save_pretrained(out)
-    seen: set[int] = set()
+    if _is_rank_zero():
+        models[0].config.save_pretrained(out)
     shard: dict[str, torch.Tensor] = {}
     files: list[list[str]] = []
     size = total = 0
@@ -91,39 +102,92 @@ def save_hf_checkpoint(model: Any, directory: str | os.PathLike[str], *, max_sha
     def flush() -> None:
         nonlocal shard, size, total
         total += size
-        if writer and shard:
-            save_file(shard, str(out / f"part-{len(files):05d}.safetensors"), metadata={"format": "pt"})
+        if holders.writer and shard:
+            part = f"part-{holders.rank:05d}-{len(files):05d}.safetensors"
+            save_file(shard, str(out / part), metadata={"format": "pt"})
             files.append(list(shard))
         shard, size = {}, 0
 
-    conversions = Conversions(model)
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        for piece in hub_pieces(conversions, name, tensor.shape):
-            value = gather_piece(tensor.detach(), piece)
-            if writer and value is not None:
-                shard[piece.name] = value.cpu().contiguous()
-                size += value.numel() * value.element_size()
-            if size >= max_shard_bytes:
-                flush()
+    seen: set[int] = set()
+    for stage in models:
+        conversions = Conversions(stage)
+        for name, tensor in stage.state_dict(keep_vars=True).items():
+            if id(tensor) in seen or not holders.writes(name, stage):
+                continue
+            seen.add(id(tensor))
+            for piece in hub_pieces(conversions, name, tensor.shape):
+                value = gather_piece(tensor.detach(), piece, holders.group)
+                if holders.writer and value is not None:
+                    shard[piece.name] = value.cpu().contiguous()
+                    size += value.numel() * value.element_size()
+                if size >= max_shard_bytes:
+                    flush()
     flush()
-    if writer:
-        _name_shards(out, files, total)
+    written = holders.gather((holders.rank, files, total) if holders.writer else None)
+    if _is_rank_zero():
+        _name_shards(out, [w for w in written if w is not None])
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # every rank returns once the checkpoint is complete
     return out
 
 
-def _name_shards(out: Path, files: list[list[str]], nbytes: int) -> None:
-    """Rename the shards ``model-0000k-of-0000n.safetensors`` and write the index ``from_pretrained`` reads."""
+@dataclass(frozen=True)
+class _Holders:
+    """The ranks holding the same tensors as this one (all of them, unless the model is cut into pipeline
+    stages): their process group (``None``: the world), whether this rank writes their files (the lowest of
+    them), and the names of the tensors some other holders write (an earlier group holding them too, or the
+    source of a declared tie that this rank's stages hold a copy of)."""
+
+    rank: int
+    group: dist.ProcessGroup | None
+    writer: bool
+    held_by_earlier: frozenset[str]
+    held_elsewhere: frozenset[str]
+
+    @staticmethod
+    def of(models: Sequence[Any]) -> _Holders:
+        names = sorted({n for m in models for n in m.state_dict(keep_vars=True)})
+        if not (dist.is_available() and dist.is_initialized()):
+            return _Holders(0, None, True, frozenset(), frozenset())
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, names)  # ranks holding the same names hold the same stages
+        rank, groups = dist.get_rank(), dict[tuple[str, ...], list[int]]()
+        for r, held in enumerate(everyone):
+            groups.setdefault(tuple(held), []).append(r)
+        mine = groups[tuple(names)]
+        group = None
+        if len(groups) > 1:
+            for ranks in groups.values():  # every rank creates every group, in the same order
+                created = dist.new_group(ranks)
+                group = created if ranks is mine and isinstance(created, dist.ProcessGroup) else group
+        earlier = {n for held, ranks in groups.items() if ranks[0] < mine[0] for n in held}
+        elsewhere = set().union(*everyone) - set(names)
+        return _Holders(rank, group, rank == mine[0], frozenset(earlier), frozenset(elsewhere))
+
+    def writes(self, name: str, model: Any) -> bool:
+        """Whether these holders write the tensor ``name`` of ``model``."""
+        tied_to = (getattr(model, "all_tied_weights_keys", None) or {}).get(name)
+        return name not in self.held_by_earlier and tied_to not in self.held_elsewhere
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, on rank 0 (``[value]`` on one process; ``[]`` elsewhere)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return [value]
+        gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(value, gathered, dst=0)
+        return gathered or []
+
+
+def _name_shards(out: Path, written: list[tuple[int, list[list[str]], int]]) -> None:
+    """Rename the writers' shards (``written``: each writer's rank, the names in each of its parts, its bytes)
+    ``model-0000k-of-0000n.safetensors`` and write the index ``from_pretrained`` reads."""
+    parts = [(rank, k, names) for rank, files, _ in written for k, names in enumerate(files)]
     weight_map: dict[str, Any] = {}
-    for k, names in enumerate(files):
-        final = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
-        os.replace(out / f"part-{k:05d}.safetensors", out / final)
+    for k, (rank, part, names) in enumerate(parts):
+        final = f"model-{k + 1:05d}-of-{len(parts):05d}.safetensors"
+        os.replace(out / f"part-{rank:05d}-{part:05d}.safetensors", out / final)
         weight_map.update(dict.fromkeys(names, final))
-    index = {"metadata": {"total_size": nbytes}, "weight_map": weight_map}
+    index = {"metadata": {"total_size": sum(nbytes for *_, nbytes in written)}, "weight_map": weight_map}
     (out / _INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
