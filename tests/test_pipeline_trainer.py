@@ -359,7 +359,8 @@ def _pp_user_stages_other_layout_case(directory: str) -> str:
     use_existing_process_group()
     module = _UserStagedLM()
     module.dp = 1
-    strategy = nd.NDParallelStrategy(pp=2, dp_shard=1, pipeline=nd.PipelineOptions(microbatches=2), loss_normalization="token_mean")
+    pipeline = nd.PipelineOptions(microbatches=2)
+    strategy = nd.NDParallelStrategy(pp=2, dp_shard=1, pipeline=pipeline, loss_normalization="token_mean")
     first = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     first.fit(module)
