@@ -11,7 +11,7 @@ ranks without changing the user's code:
   :class:`SequenceShard`: the global positions of the local tokens and the mask ``transformers`` would
   build from the *whole* batch, as document ids. Its rule is ``transformers``' own (``masking_utils``): a 2-D
   ``attention_mask`` masks padding *keys*; without one, ``position_ids`` that do not step by 1 start a new
-  document (packed sequences); causal by index; each layer's ``sliding_window``.
+  document (packed sequences); causal by index; the sliding window of each layer's mask (else its ``sliding_window``).
 * :func:`context_parallelize` switches a model to an attention function registered with ``transformers``'
   ``AttentionInterface`` that runs :func:`~lightning_ndclip.core.context.ring_attention.ring_attention`
   (or the all-gather variant) with the active shard's positions and documents, and the layer's own
@@ -36,7 +36,7 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
 import torch
@@ -158,6 +158,9 @@ class _RingMask:
     query_docs: torch.Tensor | None
     key_docs: torch.Tensor | None
     kv_exchange: Literal["ring", "all_gather"]
+    window: int | None = None
+    """The sliding window of the mask ``transformers`` asked for (its ``local_size``): one device's sdpa and eager
+    attention apply a window through the mask alone, whether or not the layer also passes ``sliding_window``."""
     used: list[str] = field(default_factory=list, compare=False)
     """The attention modules that ran through the ring in this call."""
 
@@ -240,6 +243,12 @@ def context_parallelize(model: Any, cp: DeviceMesh) -> None:
             f"cp > 1: {name}'s rotary embedding is {dynamic[0]!r}, whose frequencies depend on the largest position of the "
             "call, which differs between the cp ranks; train this model without cp, or with a static rope_type"
         )
+    if isinstance(rope, Mapping) and _rope_types(rope) - {"default"} and rope.get("short_mscale") != rope.get("long_mscale"):
+        raise ValueError(  # PhiMoE: short_mscale up to original_max_position_embeddings, long_mscale beyond
+            f"cp > 1: {name}'s rotary embedding scales by config.rope_parameters['short_mscale'] or ['long_mscale'], "
+            "whichever the call's largest position picks, which differs between the cp ranks; train this model without "
+            "cp, or with equal short_mscale and long_mscale"
+        )
     if getattr(config, "model_type", None) in _NOT_EXACT:
         raise ValueError(f"cp > 1: {name} {_NOT_EXACT[config.model_type]}; train this model without cp")
     base = getattr(model, "base_model", model)
@@ -260,7 +269,6 @@ _RING_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention",
 _DYNAMIC_ROPE = {"dynamic", "longrope"}
 """Rope types whose frequencies ``transformers`` updates from the call's largest position (``dynamic_rope_update``)."""
 _NOT_EXACT = {
-    "phimoe": "differs from one device under cp (found by the sweep over every family; the cause is not yet known)",
     "doge": "reads its attention mask as a tensor, which under cp it is not",
     "git": "adds its own mask to the attention mask, which under cp is built by the ring",
 }
@@ -286,7 +294,10 @@ def _register(original: str) -> str:
 
     def mask(*args: Any, **kwargs: Any) -> Any:
         ring = _CALL.get()
-        return ring if ring is not None else original_mask(*args, **kwargs)
+        if ring is None:
+            return original_mask(*args, **kwargs)
+        window = kwargs.get("local_size")  # create_sliding_window_causal_mask's window (chunked masks are refused)
+        return ring if window is None else replace(ring, window=window)
 
     AttentionInterface.register(name, _attention_for(original))
     AttentionMaskInterface.register(name, mask)
@@ -349,7 +360,8 @@ def _sharded_attention(
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     common: dict[str, Any] = {
         "group": ring.group, "positions": ring.positions, "is_causal": is_causal, "sample_ids": ring.query_docs,
-        "kv_sample_ids": ring.key_docs, "window": sliding_window, "scale": scaling,
+        "kv_sample_ids": ring.key_docs, "window": ring.window if ring.window is not None else sliding_window,
+        "scale": scaling,
     }  # fmt: skip
     if ring.kv_exchange == "ring":
         out = ring_attention(query, key, value, softcap=softcap, sinks=s_aux, **common)
