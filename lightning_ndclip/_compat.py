@@ -45,6 +45,7 @@ __all__ = [
     "dtensor_spec",
     "flatten_mesh",
     "foreach_mul_",
+    "fsdp_unsharded_parameters",
     "foreach_norm",
     "group_by_device_and_dtype",
     "local_tensors",
@@ -76,6 +77,10 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "dtensor_spec": ("torch.distributed.tensor:DTensor._spec",),
     "StridedShard": ("torch.distributed.tensor.placement_types:_StridedShard",),
     "view_base": ("torch:Tensor._base",),
+    "fsdp_unsharded_parameters": (
+        "torch.distributed.fsdp:FSDPModule._get_fsdp_state",
+        "torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState._fsdp_param_group",
+    ),
     "unsafe_view": ("torch:ops.aten._unsafe_view",),
     "foreach_norm": ("torch:_foreach_norm",),
     "foreach_mul_": ("torch:_foreach_mul_",),
@@ -151,6 +156,23 @@ unsafe_view: Callable[[torch.Tensor, Sequence[int]], torch.Tensor] = torch.ops.a
 """A reshape that autograd does not record as a view (reason: how ``torch.matmul`` returns its 3-D
 result; a ``Linear`` with a bias returns a view of its 2-D ``addmm`` result instead, which FSDP2
 warns about for a unit's output, and no public op turns a view into a tensor without copying)."""
+
+def fsdp_unsharded_parameters(unit: Any) -> list[torch.nn.Parameter | None]:
+    """The unsharded parameter of each parameter the FSDP2 unit ``unit`` manages (``None`` before its first
+    all-gather), in the unit's order (reason: FSDP2 reduce-scatters the gradients these got on this rank, and
+    giving one a zero gradient is the only way for a rank that did not use it to join the others' reduction;
+    FSDP2 has no public API for its unsharded parameters)."""
+    group = unit._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return []
+    found: list[torch.nn.Parameter | None] = []
+    for parameter in group.fsdp_params:
+        try:
+            found.append(parameter.unsharded_param)
+        except AttributeError:  # not all-gathered yet
+            found.append(None)
+    return found
+
 
 DispatchMode = _TorchDispatchMode
 """The base class of a mode that sees every op as the dispatcher runs it (reason: PyTorch exports it

@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
 from lightning_ndclip import _compat
 
@@ -56,6 +57,7 @@ INSTANCES: dict[type, Callable[[], object]] = {
     nn.Module: nn.Module,
     Callback: Callback,
     torch.optim.Adam: lambda: torch.optim.Adam([nn.Parameter(torch.zeros(1))], fused=True),
+    FSDPState: FSDPState,
 }
 
 

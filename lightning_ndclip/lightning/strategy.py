@@ -7,7 +7,7 @@ import difflib
 import inspect
 import os
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -47,6 +47,7 @@ from lightning_ndclip.core.parallel.reduce import use_sum_reduction
 from lightning_ndclip.core.parallel.replicas import broadcast_replicas_, check_replica_gradients
 from lightning_ndclip.core.parallel.summary import ParallelSummary, summarize
 from lightning_ndclip.core.parallel.tensor_parallel import check_ties, tied_parameters
+from lightning_ndclip.core.parallel.unused import UnusedParameters
 from lightning_ndclip.core.pipeline import PipelineOptions
 from lightning_ndclip.lightning._checkpoint import (
     file_system_path,
@@ -224,6 +225,14 @@ class NDParallelStrategy(ModelParallelStrategy):
             of the epoch (tokens or samples, the same on every mesh) logged as ``val_loss`` /
             ``test_loss`` (with ``pp > 1``: ``"token_mean"`` without ``cp``, the loss that
             ``run_pipeline`` returns). ``False`` logs nothing. Logging the same name yourself is an error.
+        find_unused_parameters: for models whose graph changes from batch to batch (a vision tower on a
+            text-only batch, a branch some batches skip): parameters used on some ranks only get the exact
+            sum of their gradients, and ones no rank used none, as on one device
+            (:class:`~lightning_ndclip.core.parallel.unused.UnusedParameters`); a module some ranks run and
+            others skip must not be an FSDP2 unit of its own (a ``ValueError`` on every rank names it). Costs
+            one host-side collective per FSDP2 unit forward and one per backward, a walk of the autograd
+            graph, and a gradient reduction at every micro-batch (none deferred to the window's end).
+            Without it such a model aborts (gloo) or hangs (NCCL) in FSDP2's collectives. Not with ``pp > 1``.
         sum_reduction: make every FSDP2 gradient reduction a plain SUM, for a ``training_step`` that
             normalizes its loss by global counts itself. Implied by ``loss_normalization``.
         init_sync: after ``configure_model``, give every replica of a parameter or buffer (its
@@ -263,6 +272,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         log_eval_loss: bool = True,
         plan: ParallelPlan | None = None,
         pipeline: PipelineOptions | None = None,
+        find_unused_parameters: bool = False,
         sum_reduction: bool = False,
         init_sync: bool = True,
         summary: bool = True,
@@ -282,6 +292,11 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._plan = plan or ParallelPlan()
         self._pp = pipeline or PipelineOptions()
         _check_plan_and_pipeline(self._plan, self._pp, sizes)
+        if find_unused_parameters and pp > 1:
+            raise ValueError(
+                "NDParallelStrategy(find_unused_parameters=True, pp > 1): the pipeline schedule runs backward inside "
+                "its stages, where parameters unused on some ranks are not handled yet; use pp=1"
+            )
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -293,6 +308,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._log_loss = log_loss
         self._log_eval_loss = log_eval_loss
         self._sum_reduction = sum_reduction or loss_normalization is not None
+        self._find_unused_parameters = find_unused_parameters
         self._init_sync = init_sync
         self._summary = summary
         self._hf_checkpoint = hf_checkpoint
@@ -308,6 +324,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._meshes: ParallelMeshes | None = None
         self._ties: list[tuple[str, ...]] = []
         self._replica_gradients_checked = False
+        self._unused: UnusedParameters | None = None
 
     def _transformers_model(self, module: pl.LightningModule) -> nn.Module:
         """The one ``transformers`` model in ``module`` that ``hf_checkpoint`` is loaded into."""
@@ -469,6 +486,8 @@ class NDParallelStrategy(ModelParallelStrategy):
         if self._pipeline is not None:
             self._pipeline.gradients_back(self._module)
             return closure_loss
+        if self._unused is not None:
+            closure_loss = self._unused.prepare_backward(closure_loss)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _apply_declarative_plan(self, module: pl.LightningModule) -> None:
@@ -526,6 +545,9 @@ class NDParallelStrategy(ModelParallelStrategy):
             _compat.optimizers_to_device(self.optimizers, self.root_device)
         if self._sum_reduction:
             use_sum_reduction(self._wrapped_model)
+        if self._find_unused_parameters and self._unused is None:
+            host = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")  # checks read on the host
+            self._unused = UnusedParameters(self._wrapped_model, group=host if isinstance(host, dist.ProcessGroup) else None)
         if self._init_sync:
             broadcast_replicas_(module)
             if self._pipeline is not None:
@@ -641,10 +663,10 @@ class NDParallelStrategy(ModelParallelStrategy):
         """Runs ``training_step`` with FSDP2 reducing only on the last micro-batch of an accumulation
         window and, with ``loss_normalization``, scales its loss to its share of the global mean."""
         share = self._micro_batch_share()
-        self._set_gradient_sync(share.ends_window)
+        self._set_gradient_sync(share.ends_window or self._unused is not None)
         if self._pipeline is not None:
             return self._refuse_load_balancing(self._pipelined_step(share, *args, **kwargs))
-        output, own_losses = self._on_cut_sequences(super().training_step, args, kwargs)
+        output, own_losses = self._run_step(super().training_step, args, kwargs)
         if self._windows is None:  # Lightning's mean of micro-batch means: Lightning divides by k itself
             return self._refuse_load_balancing(output)
         k = self._module.trainer.accumulate_grad_batches
@@ -658,20 +680,22 @@ class NDParallelStrategy(ModelParallelStrategy):
         ``cp > 1``; :mod:`~lightning_ndclip.core.parallel.hf_context`)."""
         return self._plan.tp_plan == "auto" and self.parallel_dims.cp > 1
 
-    def _on_cut_sequences(
+    def _run_step(
         self, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, list[torch.Tensor]]:
         """``step(*args, **kwargs)`` and the losses the ``transformers`` models returned in it: where the strategy cuts
-        sequences, on this cp rank's part of the batch (the step's first argument), the shard active."""
-        if not self._cuts_sequences:
-            return step(*args, **kwargs), []
-        from lightning_ndclip.core.parallel.hf_context import shard_batch
+        sequences, on this cp rank's part of the batch (the step's first argument), the shard active; with
+        ``find_unused_parameters``, each FSDP2 unit's forward agreed with the other ranks'."""
+        with self._unused.forward() if self._unused is not None else nullcontext():
+            if not self._cuts_sequences:
+                return step(*args, **kwargs), []
+            from lightning_ndclip.core.parallel.hf_context import shard_batch
 
-        batch = args[0] if args else kwargs["batch"]
-        local, shard = shard_batch(batch, self.meshes["cp"], kv_exchange=self._plan.kv_exchange)
-        args, kwargs = ((local, *args[1:]), kwargs) if args else (args, {**kwargs, "batch": local})
-        with shard.active():
-            return step(*args, **kwargs), shard.model_losses
+            batch = args[0] if args else kwargs["batch"]
+            local, shard = shard_batch(batch, self.meshes["cp"], kv_exchange=self._plan.kv_exchange)
+            args, kwargs = ((local, *args[1:]), kwargs) if args else (args, {**kwargs, "batch": local})
+            with shard.active():
+                return step(*args, **kwargs), shard.model_losses
 
     def _micro_batch_share(self) -> MicroBatchShare:
         """This micro-batch's share of its window: from the loss windows, or without loss normalization
@@ -778,13 +802,18 @@ class NDParallelStrategy(ModelParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        output, own_losses = self._on_cut_sequences(super().validation_step, args, kwargs)
+        output, own_losses = self._run_step(super().validation_step, args, kwargs)
         self._log_eval_loss_of("validation_step", "val_loss", output, args[0] if args else kwargs.get("batch"), own_losses)
         return output
 
     @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._unused.forward() if self._unused is not None else nullcontext():
+            return super().predict_step(*args, **kwargs)
+
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        output, own_losses = self._on_cut_sequences(super().test_step, args, kwargs)
+        output, own_losses = self._run_step(super().test_step, args, kwargs)
         self._log_eval_loss_of("test_step", "test_loss", output, args[0] if args else kwargs.get("batch"), own_losses)
         return output
 

@@ -11,7 +11,9 @@
 - :mod:`~lightning_ndclip.core.parallel.coverage`, :mod:`~lightning_ndclip.core.parallel.replicas`,
   :mod:`~lightning_ndclip.core.parallel.reduce`, :mod:`~lightning_ndclip.core.parallel.summary`: what
   the wrapping must guarantee (every gradient reduced, replicas equal, SUM reductions) and the
-  startup summary.
+  startup summary;
+- :mod:`~lightning_ndclip.core.parallel.unused`: exact FSDP2 gradients when the ranks' graphs differ
+  (parameters used on some ranks only).
 
 Imports nothing else of the core (``transformers`` only where asked for).
 """
