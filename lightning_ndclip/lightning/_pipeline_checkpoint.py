@@ -17,7 +17,7 @@ other stage counts) finds what each of its tensors needs:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,7 +74,7 @@ def _parts(key: str) -> tuple[str, str, str]:
     return part, name, attribute
 
 
-def _rename(key: str, rename: Any) -> str:
+def _rename(key: str, rename: Callable[[str], str]) -> str:
     part, name, attribute = _parts(key)
     return f"{part}{rename(name)}.{attribute}"
 
