@@ -6,8 +6,6 @@ cases, and in the last the all-gathers pair up units of the ranks that differ. T
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist

@@ -1,4 +1,5 @@
-"""A vision-language LightningModule whose micro-batches mix image and text-only samples across ranks and windows,
+"""A vision-language LightningModule whose micro-batches mix image and text-only samples across ranks and windows
+(images on rank 0 only in the first window, on rank 1 only in the second, none in the third),
 trained with ``NDParallelStrategy(find_unused_parameters=True)``: every parameter after clipped AdamW steps equal to
 the plain model on one process in float64, the vision tower untouched in a window without images (AdamW's weight
 decay skips a parameter without gradient, as on one device); and the tower made an FSDP2 unit of its own, refused
@@ -68,7 +69,8 @@ def _samples() -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
     samples = []
     for i in range(SAMPLES):
-        sample = {"tokens": torch.randint(0, VOCAB, (TEXT,), generator=g), "labels": torch.randint(0, VOCAB, (TEXT,), generator=g)}
+        tokens, labels = (torch.randint(0, VOCAB, (TEXT,), generator=g) for _ in range(2))
+        sample = {"tokens": tokens, "labels": labels}
         sample["labels"][torch.rand(TEXT, generator=g) < 0.3] = -100
         if i in WITH_IMAGE:
             sample["image"] = torch.randn(IMAGE_TOKENS, PATCH, generator=g, dtype=torch.float64)
@@ -148,7 +150,8 @@ def test_a_vision_language_model_on_mixed_batches_trains_as_on_one_device():
 
 def test_the_vision_tower_as_an_fsdp2_unit_of_its_own_is_refused_naming_it():
     for result in run_on_ranks(2, _fit_case, [Block, Vision]):
-        assert "rank 0 was about to run the FSDP2 unit 'model.vision'; rank 1 was about to run the FSDP2 unit 'model.blocks.0'" in result["error"], result
+        expected = "rank 0 was about to run the FSDP2 unit 'model.vision'; rank 1 was about to run the FSDP2 unit 'model.blocks.0'"  # noqa: E501
+        assert expected in result["error"], result
 
 
 def test_find_unused_parameters_with_a_pipeline_is_refused():

@@ -39,6 +39,7 @@ from lightning_ndclip.core.agree import call_hook, run_agreed
 from lightning_ndclip.core.load_balance import LOAD_BALANCING_KEY, window_share
 from lightning_ndclip.core.loss import MicroBatchShare, local_loss_sum, loss_share, sync_sample_weights
 from lightning_ndclip.core.parallel.coverage import check_data_parallel_reduction
+from lightning_ndclip.core.parallel.fused_outputs import refuse_chunked_colwise_outputs
 from lightning_ndclip.core.parallel.hf import transformers_models
 from lightning_ndclip.core.parallel.hf_checkpoint import load_hf_checkpoint
 from lightning_ndclip.core.parallel.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError, check_sizes
@@ -324,6 +325,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._meshes: ParallelMeshes | None = None
         self._ties: list[tuple[str, ...]] = []
         self._replica_gradients_checked = False
+        self._first_forward_watched = False
         self._unused: UnusedParameters | None = None
 
     def _transformers_model(self, module: pl.LightningModule) -> nn.Module:
@@ -666,7 +668,10 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._set_gradient_sync(share.ends_window or self._unused is not None)
         if self._pipeline is not None:
             return self._refuse_load_balancing(self._pipelined_step(share, *args, **kwargs))
-        output, own_losses = self._run_step(super().training_step, args, kwargs)
+        watch = not self._first_forward_watched and self.parallel_dims.tp > 1
+        self._first_forward_watched = True
+        with refuse_chunked_colwise_outputs(self._wrapped_model) if watch else nullcontext():
+            output, own_losses = self._run_step(super().training_step, args, kwargs)
         if self._windows is None:  # Lightning's mean of micro-batch means: Lightning divides by k itself
             return self._refuse_load_balancing(output)
         k = self._module.trainer.accumulate_grad_batches

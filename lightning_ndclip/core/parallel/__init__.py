@@ -13,7 +13,9 @@
   the wrapping must guarantee (every gradient reduced, replicas equal, SUM reductions) and the
   startup summary;
 - :mod:`~lightning_ndclip.core.parallel.unused`: exact FSDP2 gradients when the ranks' graphs differ
-  (parameters used on some ranks only).
+  (parameters used on some ranks only);
+- :mod:`~lightning_ndclip.core.parallel.fused_outputs`: a fused projection chunked under ``ColwiseParallel``,
+  named at the first forward.
 
 Imports nothing else of the core (``transformers`` only where asked for).
 """
