@@ -162,7 +162,7 @@ def _trap_case(trap: str) -> dict:
     if trap == "tie":
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
         return _fit(ConfiguredLM(tied=True, configure=_split_tie), strategy)
-    if trap == "fused_qkv":  # NDParallelStrategy names it at the first forward (test_fused_outputs_trainer.py)
+    if trap == "fused_qkv":  # NDParallelStrategy names it at the first forward (test_split_activations_trainer.py)
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
         return _fit(ConfiguredLM(fused=True, configure=_fused_colwise), strategy)
     if trap == "per_rank_mean":  # count_tokens says the loss is a token mean; the strategy averages rank means

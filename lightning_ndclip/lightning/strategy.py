@@ -39,13 +39,13 @@ from lightning_ndclip.core.agree import call_hook, run_agreed
 from lightning_ndclip.core.load_balance import LOAD_BALANCING_KEY, window_share
 from lightning_ndclip.core.loss import MicroBatchShare, local_loss_sum, loss_share, sync_sample_weights
 from lightning_ndclip.core.parallel.coverage import check_data_parallel_reduction
-from lightning_ndclip.core.parallel.fused_outputs import refuse_chunked_colwise_outputs
 from lightning_ndclip.core.parallel.hf import transformers_models
 from lightning_ndclip.core.parallel.hf_checkpoint import load_hf_checkpoint
 from lightning_ndclip.core.parallel.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError, check_sizes
 from lightning_ndclip.core.parallel.plan import ParallelPlan, check_plan_sizes, shared_parameters
 from lightning_ndclip.core.parallel.reduce import use_sum_reduction
 from lightning_ndclip.core.parallel.replicas import broadcast_replicas_, check_replica_gradients
+from lightning_ndclip.core.parallel.split_activations import watch_split_activations
 from lightning_ndclip.core.parallel.summary import ParallelSummary, summarize
 from lightning_ndclip.core.parallel.tensor_parallel import check_ties, tied_parameters
 from lightning_ndclip.core.parallel.unused import UnusedParameters
@@ -670,7 +670,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             return self._refuse_load_balancing(self._pipelined_step(share, *args, **kwargs))
         watch = not self._first_forward_watched and self.parallel_dims.tp > 1
         self._first_forward_watched = True
-        with refuse_chunked_colwise_outputs(self._wrapped_model) if watch else nullcontext():
+        with watch_split_activations(self._wrapped_model, self.meshes["tp"]) if watch else nullcontext():
             output, own_losses = self._run_step(super().training_step, args, kwargs)
         if self._windows is None:  # Lightning's mean of micro-batch means: Lightning divides by k itself
             return self._refuse_load_balancing(output)

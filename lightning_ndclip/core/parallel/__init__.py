@@ -14,8 +14,8 @@
   startup summary;
 - :mod:`~lightning_ndclip.core.parallel.unused`: exact FSDP2 gradients when the ranks' graphs differ
   (parameters used on some ranks only);
-- :mod:`~lightning_ndclip.core.parallel.fused_outputs`: a fused projection chunked under ``ColwiseParallel``,
-  named at the first forward.
+- :mod:`~lightning_ndclip.core.parallel.split_activations`: the activations ``ColwiseParallel`` splits, followed
+  through the first forward (a fused projection chunked; whole parameters on split activations).
 
 Imports nothing else of the core (``transformers`` only where asked for).
 """

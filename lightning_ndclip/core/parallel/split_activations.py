@@ -1,0 +1,187 @@
+"""Activations tensor parallelism splits, followed through the first forward.
+
+``ColwiseParallel`` gives each tensor-parallel rank a contiguous block of a linear layer's output features
+(rank ``r`` of ``tp`` holds features ``[r N / tp, (r + 1) N / tp)``, a plain tensor); the model computes on
+these blocks until a ``RowwiseParallel`` layer sums them. Two mistakes there train without an error:
+
+* **A fused projection cut into its parts**, ``q, k, v = self.qkv(h).chunk(3, -1)`` or
+  ``gate, up = self.gate_up(h).chunk(2, -1)``: each rank cuts its own block, not the whole output (with
+  ``tp = 2`` rank 0's "q", "k" and "v" are the two halves of q and the first half of k), and the model
+  computes another function. A ``ValueError`` names the layer. A head-major layout split with ``view``
+  (each rank's block holds whole heads' q, k and v) is not a cut and passes.
+* **A whole parameter applied to split activations**: one the plan leaves unsplit, the same on every tp
+  rank (a per-head norm's weight, a learnable activation between a colwise and a rowwise layer). Each
+  rank's gradient is only its heads' (features') part. Where the parameter meets split activations only,
+  the sum of the parts over ``tp`` is the exact gradient: a hook on the parameter sums it in every
+  backward, from the first. A parameter that meets split and whole activations cannot be summed (its whole
+  part would count ``tp`` times), and an op that fails on a split activation and a whole parameter (a
+  per-head tensor of all heads against this rank's heads) is a shape error: both a ``ValueError`` naming
+  the parameter.
+
+:func:`watch_split_activations` watches one forward (the first step's; a Python check per op). Every rank
+runs the same code, so every rank raises at the same point. Parameters that are DTensors (split or
+replicated by a style) are DTensor's to handle and are left alone. Pure PyTorch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.overrides import TorchFunctionMode
+
+from lightning_ndclip import _compat
+
+__all__ = ["watch_split_activations"]
+
+_SPLITS = {torch.Tensor.chunk, torch.chunk, torch.Tensor.split, torch.split, torch.Tensor.tensor_split, torch.tensor_split}
+"""Ops that cut a tensor into parts along one dim (``dim`` their third argument or keyword)."""
+
+
+def _split_over(module: nn.Module, tp_dim: str, weight_dim: int) -> bool:
+    """Whether ``module`` is a linear layer whose weight is split along ``weight_dim`` over the mesh dim ``tp_dim``
+    (0: ``ColwiseParallel``, 1: ``RowwiseParallel``)."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(module, nn.Linear) or not isinstance(weight, DTensor):
+        return False
+    names = weight.device_mesh.mesh_dim_names or ()
+    if tp_dim not in names:
+        return False
+    placement = weight.placements[names.index(tp_dim)]
+    return isinstance(placement, (Shard, _compat.StridedShard)) and placement.dim == weight_dim
+
+
+class _Watch(TorchFunctionMode):
+    """Follows through every op the split activations (``split``: by id, each kept alive while watched, so an id is
+    not reused) and the tensors computed from whole parameters alone (``made_of``: id -> the parameters' names);
+    records the parameters that meet split activations (``on_split``) and those that meet anything else
+    (``on_whole``: whole activations, token ids, constants)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.split: dict[int, torch.Tensor] = {}
+        self.colwise_outputs: dict[int, str] = {}
+        self.parameters: dict[int, tuple[str, nn.Parameter]] = {}  # the whole parameters, as the forward uses them
+        self.made_of: dict[int, tuple[set[str], torch.Tensor]] = {}
+        self.on_split: dict[str, nn.Parameter] = {}
+        self.on_whole: set[str] = set()
+
+    def sources(self, tensor: torch.Tensor) -> set[str]:
+        if id(tensor) in self.parameters:
+            return {self.parameters[id(tensor)][0]}
+        found = self.made_of.get(id(tensor))
+        return set(found[0]) if found is not None else set()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        tensors = [t for t in _compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)]
+        if func in _SPLITS and args and id(args[0]) in self.colwise_outputs:
+            self.refuse_cut(func, args, kwargs)
+        split = any(id(t) in self.split for t in tensors)
+        made_of = [t for t in tensors if self.sources(t)]
+        try:
+            output = func(*args, **kwargs)
+        except RuntimeError as error:
+            if split and made_of:
+                failed = sorted(set().union(*(self.sources(t) for t in made_of)))
+                raise ValueError(
+                    f"{failed} (left whole by the tensor-parallel plan, the same on every tp rank) met activations "
+                    f"the plan splits over tp and {func.__name__} failed: {error}. A per-head parameter must be split "
+                    "with the heads (give its module a style that shards it), or the activations gathered first"
+                ) from error
+            raise
+        leaves = [t for t in _compat.tree_leaves(output) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)]
+        if split:
+            for t in made_of:
+                for name in self.sources(t):
+                    self.on_split[name] = self.parameter(name)
+            self.split.update((id(t), t) for t in leaves)
+        elif made_of and len(made_of) == len(tensors):  # of parameters alone (1 + weight, weight.float()): still them
+            names: set[str] = set().union(*(self.sources(t) for t in made_of))
+            self.made_of.update((id(t), (names, t)) for t in leaves)
+        elif made_of:  # with whole activations, data or constants: the output is an activation
+            self.on_whole.update(*(self.sources(t) for t in made_of))
+        return output
+
+    def parameter(self, name: str) -> nn.Parameter:
+        return next(p for n, p in self.parameters.values() if n == name)
+
+    def refuse_cut(self, func: Any, args: Any, kwargs: Any) -> None:
+        tensor = args[0]
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+        if dim % tensor.dim() != tensor.dim() - 1:
+            return
+        parts = args[1] if len(args) > 1 else kwargs.get("chunks", kwargs.get("split_size_or_sections"))
+        raise ValueError(
+            f"{self.colwise_outputs[id(tensor)]} is ColwiseParallel (each tensor-parallel rank holds a contiguous block "
+            f"of its output features) and its output is cut into parts along those features ({func.__name__}({parts}, "
+            "dim=-1)): each rank cuts its own block, not the whole output, so a fused projection's parts (q, k, v or "
+            "gate, up) are mixed and the model computes another function. Lay the fused rows out per head and split "
+            "them with view (each rank's block then holds whole heads' q, k and v), or use separate projections, each "
+            "ColwiseParallel (docs: 'A fused qkv projection under tensor parallel')"
+        )
+
+
+@contextmanager
+def watch_split_activations(model: nn.Module, tp_mesh: DeviceMesh) -> Iterator[None]:
+    """Watch the forward inside (see the module docstring): the fused-projection trap and a whole parameter
+    that meets split and whole activations, or fails on split ones, raise ``ValueError`` naming them; each whole
+    parameter that meets split activations only gets, on leaving, a hook summing its gradient over ``tp_mesh``
+    (its mesh dim name is the one the colwise and rowwise weights are split over)."""
+    tp_dim = (tp_mesh.mesh_dim_names or ("tp",))[0]
+    watch = _Watch()
+    handles = []
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+
+        def whole_parameters(module: nn.Module, args: Any, prefix: str = prefix) -> None:
+            for pname, p in module.named_parameters(recurse=False):
+                if not isinstance(p, DTensor) and p.requires_grad:
+                    watch.parameters[id(p)] = (f"{prefix}{pname}", p)
+
+        handles.append(module.register_forward_pre_hook(whole_parameters))
+        if _split_over(module, tp_dim, 0):
+
+            def colwise(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
+                local = isinstance(output, torch.Tensor) and not isinstance(output, DTensor)
+                if local and output.shape[-1] < cast(nn.Linear, module).out_features:  # this rank's block, not gathered
+                    watch.split[id(output)] = output
+                    watch.colwise_outputs[id(output)] = name
+
+            handles.append(module.register_forward_hook(colwise))
+        elif _split_over(module, tp_dim, 1):
+
+            def rowwise(module: nn.Module, args: Any, output: Any) -> None:  # summed over tp: whole again
+                if isinstance(output, torch.Tensor):
+                    watch.split.pop(id(output), None)
+
+            handles.append(module.register_forward_hook(rowwise))
+    try:
+        with watch:
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    mixed = sorted(set(watch.on_split) & watch.on_whole)
+    if mixed:
+        raise ValueError(
+            f"{mixed} (left whole by the tensor-parallel plan, the same on every tp rank) meet both activations the "
+            "plan splits over tp and whole ones: each rank's gradient is part split, part whole, and no sum over tp "
+            "is exact. Split them with the activations (a style for their module), or gather those activations first"
+        )
+    group = tp_mesh.get_group()
+    for parameter in watch.on_split.values():
+        parameter.register_hook(lambda grad, group=group: _summed(grad, group))
+
+
+def _summed(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's part of a gradient (its heads'), summed over the tp ranks."""
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
