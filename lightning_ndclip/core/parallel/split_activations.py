@@ -25,6 +25,7 @@ replicated by a style) are DTensor's to handle and are left alone. Pure PyTorch.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -177,7 +178,14 @@ def watch_split_activations(model: nn.Module, tp_mesh: DeviceMesh) -> Iterator[N
         )
     group = tp_mesh.get_group()
     for parameter in watch.on_split.values():
-        parameter.register_hook(lambda grad, group=group: _summed(grad, group))
+        hooked = _SUMMED.get(id(parameter))
+        if hooked is None or hooked() is not parameter:  # once: watching the same module again must not sum twice
+            _SUMMED[id(parameter)] = weakref.ref(parameter)
+            parameter.register_hook(lambda grad, group=group: _summed(grad, group))
+
+
+_SUMMED: dict[int, weakref.ref[torch.Tensor]] = {}
+"""The parameters whose gradient a hook already sums over tp, by id (a tensor compares by value, not identity)."""
 
 
 def _summed(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
