@@ -62,7 +62,7 @@ class _Watch(TorchFunctionMode):
     """Follows through every op the split activations (``split``: by id, each kept alive while watched, so an id is
     not reused) and the tensors computed from whole parameters alone (``made_of``: id -> the parameters' names);
     records the parameters that meet split activations (``on_split``) and those that meet anything else
-    (``on_whole``: whole activations, token ids, constants)."""
+    (``on_whole``: whole activations, token ids). Buffers, and tensors computed from them alone, are constants."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -70,6 +70,7 @@ class _Watch(TorchFunctionMode):
         self.colwise_outputs: dict[int, str] = {}
         self.parameters: dict[int, tuple[str, nn.Parameter]] = {}  # the whole parameters, as the forward uses them
         self.made_of: dict[int, tuple[set[str], torch.Tensor]] = {}
+        self.constants: dict[int, torch.Tensor] = {}  # buffers, and tensors computed from them alone
         self.on_split: dict[str, nn.Parameter] = {}
         self.on_whole: set[str] = set()
 
@@ -81,7 +82,8 @@ class _Watch(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        tensors = [t for t in _compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)]
+        leaves_in = [t for t in _compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)]
+        tensors = [t for t in leaves_in if id(t) not in self.constants]  # a buffer is no activation: beta + weight
         if func in _SPLITS and args and id(args[0]) in self.colwise_outputs:
             self.refuse_cut(func, args, kwargs)
         split = any(id(t) in self.split for t in tensors)
@@ -98,7 +100,9 @@ class _Watch(TorchFunctionMode):
                 ) from error
             raise
         leaves = [t for t in _compat.tree_leaves(output) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)]
-        if split:
+        if leaves_in and not tensors:  # of buffers alone: still a constant
+            self.constants.update((id(t), t) for t in leaves)
+        elif split:
             for t in made_of:
                 for name in self.sources(t):
                     self.on_split[name] = self.parameter(name)
@@ -145,6 +149,7 @@ def watch_split_activations(model: nn.Module, tp_mesh: DeviceMesh) -> Iterator[N
             for pname, p in module.named_parameters(recurse=False):
                 if not isinstance(p, DTensor) and p.requires_grad:
                     watch.parameters[id(p)] = (f"{prefix}{pname}", p)
+            watch.constants.update((id(b), b) for b in module.buffers(recurse=False) if not isinstance(b, DTensor))
 
         handles.append(module.register_forward_pre_hook(whole_parameters))
         if _split_over(module, tp_dim, 0):
