@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import traceback
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -150,8 +151,21 @@ def _ours(error: BaseException) -> bool:
     return isinstance(error, ValueError) and bool(frames) and "lightning_ndclip" in frames[-1].filename
 
 
-def _one(family: str, architecture: str, cp: Any) -> tuple[str, str, float, float]:
-    """``(outcome, detail, error, tolerance)`` of one family."""
+@dataclass
+class Reference:
+    """A family built tiny in float64 and run on one process: its input, its logits, the fixed weights of the loss
+    ``(logits * weights).sum()``, the gradients that loss gives (then cleared from the model) and the tolerance."""
+
+    model: Any
+    input_ids: torch.Tensor
+    logits: torch.Tensor
+    weights: torch.Tensor
+    expected: dict[str, torch.Tensor]
+    tolerance: float
+
+
+def one_device(family: str, architecture: str) -> Reference | tuple[str, str, float, float]:
+    """The family's :class:`Reference`, or its NOT BUILT outcome."""
     g = torch.Generator().manual_seed(1)
     input_ids = torch.randint(3, VOCAB, (ROWS, SEQ), generator=g)
     try:
@@ -164,7 +178,17 @@ def _one(family: str, architecture: str, cp: Any) -> tuple[str, str, float, floa
         return "NOT BUILT", f"{type(error).__name__}: {str(error).splitlines()[0][:100] if str(error) else ''}", 0.0, 0.0
     expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    tolerance = _tolerance(model, float32_ops.found)
+    return Reference(model, input_ids, logits.detach(), weights, expected, _tolerance(model, float32_ops.found))
+
+
+def _one(family: str, architecture: str, cp: Any) -> tuple[str, str, float, float]:
+    """``(outcome, detail, error, tolerance)`` of one family."""
+    ref = one_device(family, architecture)
+    if not isinstance(ref, Reference):
+        return ref
+    model, input_ids, logits, weights, expected, tolerance = (
+        ref.model, ref.input_ids, ref.logits, ref.weights, ref.expected, ref.tolerance
+    )  # fmt: skip
     try:
         context_parallelize(model, cp)
         local, shard = shard_batch({"input_ids": input_ids}, cp)

@@ -29,7 +29,7 @@ import test_hf_context_sweep as cp_sweep
 import torch
 import torch.distributed as dist
 from harness import run_on_ranks
-from test_hf_context_sweep import ROWS, SEQ, VOCAB, _build, _Float32Ops, _ours, _tolerance
+from test_hf_context_sweep import Reference, _ours, one_device
 from torch.distributed.tensor import DTensor
 
 transformers = pytest.importorskip("transformers")
@@ -140,19 +140,12 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 def _one(family: str, architecture: str) -> tuple[str, str, float, float]:
     """``(outcome, detail, error, tolerance)`` of one family on this rank."""
-    g = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(3, VOCAB, (ROWS, SEQ), generator=g)
-    try:
-        model = _build(family, architecture)
-        with _Float32Ops() as float32_ops:
-            logits = model(input_ids=input_ids).logits
-        weights = torch.randn(logits.shape, generator=g, dtype=logits.dtype)
-        (logits * weights).sum().backward()
-    except Exception as error:
-        return "NOT BUILT", f"{type(error).__name__}: {str(error).splitlines()[0][:100] if str(error) else ''}", 0.0, 0.0
-    expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    tolerance = _tolerance(model, float32_ops.found)
+    ref = one_device(family, architecture)
+    if not isinstance(ref, Reference):
+        return ref
+    model, input_ids, logits, weights, expected, tolerance = (
+        ref.model, ref.input_ids, ref.logits, ref.weights, ref.expected, ref.tolerance
+    )  # fmt: skip
     try:
         meshes = ParallelDims(world_size=dist.get_world_size(), tp=2).build_mesh("cpu")
         parallelize(model, meshes, tp_plan="auto")
