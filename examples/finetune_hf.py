@@ -129,8 +129,9 @@ def strategy_kwargs(args: argparse.Namespace, model: torch.nn.Module) -> dict[st
                 loss_normalization="token_mean", log_loss="train/loss", hf_checkpoint=args.model)  # fmt: skip
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    """Train as the command line ``argv`` (default: ``sys.argv[1:]``) says."""
+    args = parse_args(argv)
     share_cpu_threads(args.accelerator, args.devices)
     L.seed_everything(0, verbose=False)  # the same initial weights on every rank and for every layout
     module = FineTune(args)

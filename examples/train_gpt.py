@@ -151,8 +151,9 @@ def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    """Train as the command line ``argv`` (default: ``sys.argv[1:]``) says."""
+    args = parse_args(argv)
     share_cpu_threads(args.accelerator, args.devices)
 
     strategy = NDParallelStrategy(**strategy_kwargs(args))

@@ -1,18 +1,32 @@
-"""Run each example briefly, as a user would, so they cannot rot."""
+"""Run each example briefly, as a user would, so they cannot rot.
+
+The launchers themselves (Lightning's, which starts the other ranks as processes running the script, and torchrun) are
+run on the quickstart and the norm demo; the other examples' ``main`` runs on the ranks of a harness pool, as under
+torchrun (each process importing torch and Lightning again would take most of the suite's time).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
+import logging
 import math
 import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
+from harness import run_on_ranks
+from helpers import use_existing_process_group
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+_OURS = (str(EXAMPLES), str(EXAMPLES.parent / "lightning_ndclip"))
+"""Where a warning is this package's or its examples' (not a dependency's installed in a virtual environment here)."""
 _WARNING = re.compile(r"^(?P<file>\S+\.py):\d+: \w*Warning: .*$", re.MULTILINE)
 SUMMARY = re.compile(
     r"summary: final loss (?P<loss>\S+), last grad norm (?P<norm>\S+), clip rate (?P<rate>\S+) "
@@ -29,12 +43,45 @@ def _run(script: str, *args: str, cwd: Path, launcher: tuple[str, ...] = (), log
         check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=240,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    ours = [m.group(0) for m in _WARNING.finditer(done.stderr) if m["file"].startswith(str(EXAMPLES.parent))]
+    ours = [m.group(0) for m in _WARNING.finditer(done.stderr) if m["file"].startswith(_OURS)]
     assert not ours, ours  # no warning from this package or its examples
     assert "returned a view tensor" not in done.stderr  # FSDP2's: a unit returning a view
     if logged is not None:
         logged.append(done.stderr)
     return done.stdout
+
+
+def _main_on_rank(script: str, argv: list[str]) -> tuple[str, str]:
+    """On a harness rank: the example's ``main(argv)``; its stdout and its stderr with Lightning's log records."""
+    use_existing_process_group()
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    main = importlib.import_module(script.removesuffix(".py")).main
+    out, err = io.StringIO(), io.StringIO()
+    lightning_log = logging.getLogger("lightning.pytorch")  # rank_zero_info's records (VerifyOneDevice's report)
+    handler = logging.StreamHandler(err)
+    lightning_log.addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            main(argv)
+    finally:
+        lightning_log.removeHandler(handler)
+    for w in caught:
+        err.write(f"{w.filename}:{w.lineno}: {w.category.__name__}: {w.message}\n")
+    return out.getvalue(), err.getvalue()
+
+
+def _run_on_ranks(world_size: int, script: str, *args: str, logged: list[str] | None = None) -> str:
+    """Rank 0's stdout of the example's ``main`` on ``world_size`` harness ranks, checked as :func:`_run` checks a
+    process; ``logged`` receives rank 0's stderr."""
+    out, err = run_on_ranks(world_size, _main_on_rank, script, list(args), timeout=240)[0]
+    ours = [m.group(0) for m in _WARNING.finditer(err) if m["file"].startswith(_OURS)]
+    assert not ours, ours  # no warning from this package or its examples
+    assert "returned a view tensor" not in err  # FSDP2's: a unit returning a view
+    if logged is not None:
+        logged.append(err)
+    return out
 
 
 def _summary(out: str, steps: int) -> dict[str, float]:
@@ -76,7 +123,7 @@ def test_lightning_quickstart_trains_alike_with_lightnings_launcher_and_torchrun
 def test_train_gpt_runs_fsdp_x_tp_and_logs(tmp_path):
     args = ("--max-steps", "4", "--rows", "96", "--verify")
     logged: list[str] = []
-    out = _run("train_gpt.py", *args, "--logdir", str(tmp_path / "runs"), cwd=tmp_path, logged=logged)
+    out = _run_on_ranks(4, "train_gpt.py", *args, "--logdir", str(tmp_path / "runs"), logged=logged)
     assert 0 < _summary(out, steps=4)["loss"] < 10  # mean cross-entropy over 64 tokens (ln 64 ≈ 4.2 at the start)
     assert "verdict: exact" in logged[0]  # VerifyOneDevice: the first step equals the model on one process
     assert "as one batch  loss" in logged[0]  # ... and the window as one batch equals its micro-batches
@@ -85,7 +132,7 @@ def test_train_gpt_runs_fsdp_x_tp_and_logs(tmp_path):
 
 def test_train_video_dit_runs_fsdp_x_context_parallel_and_logs(tmp_path):
     args = ("--max-steps", "2", "--rows", "32", "--layers", "2", "--log-every-n-steps", "1")
-    out = _run("train_video_dit.py", *args, "--logdir", str(tmp_path / "runs"), cwd=tmp_path)
+    out = _run_on_ranks(4, "train_video_dit.py", *args, "--logdir", str(tmp_path / "runs"))
     assert 0 < _summary(out, steps=2)["loss"] < 10  # per-clip mean squared error of a velocity of variance ~1.5
     scalars = _scalars(tmp_path / "runs" / "video_dit")
     assert len(scalars["train/loss"]) == 2 and len(scalars["grad_norm/total"]) == 2
@@ -94,7 +141,7 @@ def test_train_video_dit_runs_fsdp_x_context_parallel_and_logs(tmp_path):
 def test_train_moe_runs_expert_parallel_and_logs_expert_and_dense_norms(tmp_path):
     args = ("--max-steps", "2", "--rows", "64", "--log-every-n-steps", "1", "--verify")
     logged: list[str] = []
-    out = _run("train_moe.py", *args, "--logdir", str(tmp_path / "runs"), cwd=tmp_path, logged=logged)
+    out = _run_on_ranks(4, "train_moe.py", *args, "--logdir", str(tmp_path / "runs"), logged=logged)
     assert 0 < _summary(out, steps=2)["loss"] < 10
     assert "verdict: exact" in logged[0]  # VerifyOneDevice under expert parallelism
     scalars = _scalars(tmp_path / "runs" / "moe")
@@ -112,7 +159,7 @@ def test_finetune_hf_trains_a_transformers_moe_with_its_experts_over_ep(tmp_path
         pytest.skip("this transformers release has no model.ep_plan")
     args = ("--dp-shard", "2", "--cp", "2", "--max-steps", "2", "--rows", "32", "--log-every-n-steps", "1", "--verify")
     logged: list[str] = []
-    out = _run("finetune_hf.py", *args, "--logdir", str(tmp_path / "runs"), cwd=tmp_path, logged=logged)
+    out = _run_on_ranks(4, "finetune_hf.py", *args, "--logdir", str(tmp_path / "runs"), logged=logged)
     assert 0 < _summary(out, steps=2)["loss"] < 10
     assert "verdict: exact" in logged[0]  # VerifyOneDevice on a transformers MoE, experts over ep
     scalars = _scalars(tmp_path / "runs" / "finetune_hf")
@@ -127,5 +174,5 @@ def test_finetune_hf_loads_a_local_checkpoint_into_the_shards(tmp_path):
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "checkpoint")
     args = ("--model", str(tmp_path / "checkpoint"), "--pp", "2", "--dp-shard", "2", "--ep", "1", "--max-steps", "2")
-    out = _run("finetune_hf.py", *args, "--rows", "32", "--logdir", str(tmp_path / "runs"), cwd=tmp_path)
+    out = _run_on_ranks(4, "finetune_hf.py", *args, "--rows", "32", "--logdir", str(tmp_path / "runs"))
     assert 0 < _summary(out, steps=2)["loss"] < 10

@@ -88,7 +88,7 @@ def _reference(family: str) -> dict:
         logits = model(input_ids=tokens).logits
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(loss.item())
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         with torch.no_grad():
             for p in model.parameters():
