@@ -238,16 +238,17 @@ def test_a_per_head_norm_the_plan_leaves_whole_gets_its_gradient_summed_over_tp(
 
 
 @pytest.mark.faults
-def test_a_rotary_key_left_whole_on_split_heads_is_refused_at_the_first_step():
+def test_a_rotary_key_left_whole_on_split_heads_is_refused_at_the_first_forward():
     """DeepSeek-V2's joint key-value projection kept whole without its style ('mla_kv_a_proj' taken as 'replicate'):
     its output's rotary part goes to each rank's heads, so each rank's gradient is a partial sum; the copies would
-    drift apart, silently: refused at the first step, naming it."""
+    drift apart, silently: refused in the first forward (by the replica check at the first step before), naming the
+    layer and where its output met the split heads."""
     if _unmapped_style(tiny_causal_lm("DeepSeek-V2")) is not None:
         pytest.skip("this transformers release's DeepSeek-V2 plan has styles hf_tp_plan does not map")
     messages = run_on_ranks(4, _without_entries_case, "DeepSeek-V2", "kv_a_proj")
     assert all(m == messages[0] for m in messages), messages
-    assert "differ between tensor-parallel ranks" in messages[0], messages[0]
-    assert "self_attn.kv_a_proj_with_mqa.weight" in messages[0], messages[0]
+    assert messages[0].startswith("a whole activation (the same on every tp rank"), messages[0]
+    assert "lm.model.layers.0.self_attn.kv_a_proj_with_mqa's output, in copy_ (lm.model.layers.0.self_attn)" in messages[0]
 
 
 @pytest.mark.parametrize("family", ["Llama (tied)", "Phi3"])

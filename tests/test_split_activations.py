@@ -128,3 +128,67 @@ def test_a_whole_parameter_on_split_and_whole_activations_or_of_every_head_is_na
         assert result["error"].startswith("['alpha'] (left whole by the tensor-parallel plan") and "meet both" in result["error"]
     for result in run_on_ranks(2, _between_case, "per_head", True):
         assert result["error"].startswith("['heads'] (left whole") and "mul failed" in result["error"], result
+
+
+class _WholeMeetsSplit(nn.Module):
+    """A colwise ``q`` (heads split over tp) meets, outside any colwise layer, a whole activation: ``shared``'s output,
+    one vector added to every head (as multi-head latent attention's rotary key), or ``scale``'s, one scale for each
+    of all the heads (as a dynamic mask); or ``embed``'s weight, split over the vocabulary, read directly."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.q, self.out = nn.Embedding(8, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.shared, self.scale = nn.Linear(WIDTH, WIDTH // HEADS), nn.Linear(WIDTH, HEADS)
+        self.kind = kind
+        self.double()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        b, s, _ = h.shape
+        q = self.q(h).view(b, s, -1, WIDTH // HEADS)
+        if self.kind == "shared":
+            q = q + self.shared(h)[:, :, None, :]
+        elif self.kind == "every head":
+            q = q * self.scale(h)[..., None]
+        elif self.kind == "read weight":
+            q = q + self.embed.weight[0].view(-1, WIDTH // HEADS)[: q.shape[2]]
+        return self.out(q.flatten(2))
+
+
+TOKENS = torch.randint(0, 8, (2, 5), generator=torch.Generator().manual_seed(4))
+
+
+def _whole_case(kind: str, watched: bool) -> dict:
+    model = _WholeMeetsSplit(kind)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    plan = {"embed": RowwiseParallel(input_layouts=Replicate()), "q": ColwiseParallel(), "out": RowwiseParallel()}
+    parallelize_module(model, mesh, plan)
+    try:
+        with watch_split_activations(model, mesh) if watched else contextlib.nullcontext():
+            loss = model(TOKENS).square().sum()
+        loss.backward()
+    except ValueError as error:
+        return {"error": str(error)}
+    return {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
+
+
+def test_a_whole_activation_entering_split_heads_is_named_at_the_first_forward():
+    reference = _WholeMeetsSplit("shared")
+    reference(TOKENS).square().sum().backward()
+    unwatched = run_on_ranks(2, _whole_case, "shared", False)[0]
+    assert not torch.allclose(unwatched["shared.weight"], reference.shared.weight.grad)  # each rank's heads' part
+    for result in run_on_ranks(2, _whole_case, "shared", True):
+        assert result["error"].startswith("a whole activation (the same on every tp rank: of a layer the plan leaves whole")
+        assert "shared's output, in add (the model's forward)" in result["error"], result
+    for result in run_on_ranks(2, _whole_case, "every head", True):  # fails in mul: named, not a raw shape error
+        assert result["error"].startswith("the output of ['scale'] (whole: the same on every tp rank"), result
+        assert "mul failed" in result["error"], result
+    for result in run_on_ranks(2, _whole_case, "read weight", True):
+        assert result["error"].startswith("['embed.weight'] (split or replicated over tp by the plan"), result
+    plain = _WholeMeetsSplit("plain")
+    plain(TOKENS).square().sum().backward()
+    for grads in run_on_ranks(2, _whole_case, "plain", True):  # no whole activation on split heads: exact, watched
+        for name, p in plain.named_parameters():
+            if p.grad is not None:
+                torch.testing.assert_close(grads[name], p.grad, rtol=1e-12, atol=1e-12, msg=name)

@@ -55,7 +55,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from lightning_ndclip import _compat
 from lightning_ndclip.core.parallel.expert_parallel import ExpertParallel
 from lightning_ndclip.core.parallel.expert_tensor_parallel import PackedExpertsParallel
-from lightning_ndclip.core.parallel.tensor_parallel import gradient_summed_over, matches_plan_key
+from lightning_ndclip.core.parallel.tensor_parallel import OWN_OUTPUT_GRADIENT, gradient_summed_over, matches_plan_key
 
 __all__ = ["HF_STYLES", "LatentKeyParallel", "hf_ep_plan", "hf_tp_plan"]
 
@@ -100,6 +100,7 @@ class LatentKeyParallel(_compat.ModuleStyle):
                 "outputs (a latent part, then the rotary key)"
             )
         module.register_forward_hook(_RotaryGradientSummed(device_mesh, self.rope_dim))
+        OWN_OUTPUT_GRADIENT.add(module)
         return module
 
 
@@ -202,15 +203,13 @@ def _style_for(
                 "ParallelStyles instead"
             )
         return None
-    if style in _LEFT_WHOLE:
+    if style in _LEFT_WHOLE or not modules:  # not modules: layers this configuration does not have
         return None
     if style not in HF_STYLES:
         raise ValueError(
             f"{where}: no plain PyTorch ParallelStyle expresses {style!r} (mapped: {sorted(HF_STYLES)}); "
             "give this model a tp_plan of ParallelStyles instead"
         )
-    if not modules:
-        return None  # layers this configuration does not have
     make, classes = HF_STYLES[style]
     wrong = sorted(f"{n} ({type(m).__name__})" for n, m in modules.items() if not isinstance(m, classes))
     if wrong:

@@ -17,6 +17,14 @@ these blocks until a ``RowwiseParallel`` layer sums them. Two mistakes there tra
   part would count ``tp`` times), and an op that fails on a split activation and a whole parameter (a
   per-head tensor of all heads against this rank's heads) is a shape error: both a ``ValueError`` naming
   the parameter.
+* **A whole activation entering split ones**: the output of a layer the plan leaves whole, or of a rowwise
+  layer (summed over tp), that requires grad, meeting split activations outside a colwise layer (a rotary key shared by every head
+  concatenated to this rank's heads, a per-head mask computed for every head). Each rank's backward gives it
+  its heads' part of the gradient, and nothing sums the parts: a ``ValueError`` names the layer that made it
+  and the module where it met the split ones. (``ColwiseParallel`` sums its input's gradient itself.)
+
+A weight split by a style (a DTensor) that the model reads outside its module's forward, with plain
+tensors, fails in DTensor; a ``ValueError`` names it.
 
 :func:`watch_split_activations` watches one forward (the first step's; a Python check per op). Every rank
 runs the same code, so every rank raises at the same point. Parameters that are DTensors (split or
@@ -38,6 +46,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.overrides import TorchFunctionMode
 
 from lightning_ndclip import _compat
+from lightning_ndclip.core.parallel.tensor_parallel import OWN_OUTPUT_GRADIENT
 
 __all__ = ["watch_split_activations"]
 
@@ -73,6 +82,23 @@ class _Watch(TorchFunctionMode):
         self.constants: dict[int, torch.Tensor] = {}  # buffers, and tensors computed from them alone
         self.on_split: dict[str, nn.Parameter] = {}
         self.on_whole: set[str] = set()
+        self.modules: list[tuple[str, bool]] = []  # the modules whose forward runs (innermost last), and whether
+        # their input holds split activations
+        self.made_by: dict[int, tuple[str, torch.Tensor, bool]] = {}  # whole activations requiring grad -> the layer
+        # that made them, and whether it returned them (else an op outside any layer computed them from its output)
+        self.whole_on_split: dict[str, str] = {}  # the layer whose whole output met split activations -> where
+        self.dtensors: dict[int, tuple[str, torch.Tensor]] = {}  # split or replicated weights, and tensors read from them
+
+    def where(self) -> str:
+        return self.modules[-1][0] if self.modules and self.modules[-1][0] else "the model's forward"
+
+    def made(self, name: str, output: Any) -> None:
+        """``output`` of the module ``name``: its whole activations that require grad are recorded as its (the
+        innermost module returning them names them)."""
+        for t in _compat.tree_leaves(output):
+            whole = isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.requires_grad
+            if whole and id(t) not in self.split and not self.sources(t) and not self.made_by.get(id(t), ("", t, False))[2]:
+                self.made_by[id(t)] = (name, t, True)
 
     def sources(self, tensor: torch.Tensor) -> set[str]:
         if id(tensor) in self.parameters:
@@ -88,18 +114,19 @@ class _Watch(TorchFunctionMode):
             self.refuse_cut(func, args, kwargs)
         split = any(id(t) in self.split for t in tensors)
         made_of = [t for t in tensors if self.sources(t)]
+        whole = [self.made_by[id(t)][0] for t in tensors if id(t) in self.made_by]
         try:
             output = func(*args, **kwargs)
         except RuntimeError as error:
-            if split and made_of:
-                failed = sorted(set().union(*(self.sources(t) for t in made_of)))
-                raise ValueError(
-                    f"{failed} (left whole by the tensor-parallel plan, the same on every tp rank) met activations "
-                    f"the plan splits over tp and {func.__name__} failed: {error}. A per-head parameter must be split "
-                    "with the heads (give its module a style that shards it), or the activations gathered first"
-                ) from error
+            self.refuse_failed(func, error, split, made_of, whole, args, kwargs)
             raise
         leaves = [t for t in _compat.tree_leaves(output) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)]
+        self.follow_dtensors(args, kwargs, output)
+        if split:
+            for layer in whole:
+                self.whole_on_split.setdefault(layer, f"{func.__name__} ({self.where()})")
+        elif whole:  # computed from a whole activation: still that layer's
+            self.made_by.update((id(t), (whole[0], t, False)) for t in leaves if t.requires_grad and id(t) not in self.made_by)
         if leaves_in and not tensors:  # of buffers alone: still a constant
             self.constants.update((id(t), t) for t in leaves)
         elif split:
@@ -113,6 +140,39 @@ class _Watch(TorchFunctionMode):
         elif made_of:  # with whole activations, data or constants: the output is an activation
             self.on_whole.update(*(self.sources(t) for t in made_of))
         return output
+
+    def refuse_failed(
+        self, func: Any, error: RuntimeError, split: bool, made_of: list[torch.Tensor], whole: list[str], args: Any, kwargs: Any
+    ) -> None:
+        """A ``ValueError`` naming the cause where an op failed on split activations and whole ones, or on a split
+        weight and plain tensors."""
+        if split and made_of:
+            failed = sorted(set().union(*(self.sources(t) for t in made_of)))
+            raise ValueError(
+                f"{failed} (left whole by the tensor-parallel plan, the same on every tp rank) met activations "
+                f"the plan splits over tp and {func.__name__} failed: {error}. A per-head parameter must be split "
+                "with the heads (give its module a style that shards it), or the activations gathered first"
+            ) from error
+        if split and whole:
+            raise ValueError(
+                f"the output of {sorted(set(whole))} (whole: the same on every tp rank, left whole by the plan or summed by "
+                "a rowwise layer) "
+                f"met activations the plan splits over tp in {self.where()} and {func.__name__} failed: {error}. A "
+                "tensor of every head against this rank's heads: split that layer's output with the heads (a "
+                "ColwiseParallel style for it, and its per-head parameters with it), or leave the heads whole"
+            ) from error
+        read = sorted({self.dtensors[id(t)][0] for t in _compat.tree_leaves((args, kwargs)) if id(t) in self.dtensors})
+        if read:
+            raise ValueError(
+                f"{read} (split or replicated over tp by the plan: a DTensor) is read in {self.where()}, outside its "
+                f"module's forward, with plain tensors, and {func.__name__} failed: {error}. The model uses the weight "
+                "directly: leave its module out of the tensor-parallel plan"
+            ) from error
+
+    def follow_dtensors(self, args: Any, kwargs: Any, output: Any) -> None:
+        names = [self.dtensors[id(t)][0] for t in _compat.tree_leaves((args, kwargs)) if id(t) in self.dtensors]
+        if names:
+            self.dtensors.update((id(t), (names[0], t)) for t in _compat.tree_leaves(output) if isinstance(t, DTensor))
 
     def parameter(self, name: str) -> nn.Parameter:
         return next(p for n, p in self.parameters.values() if n == name)
@@ -144,14 +204,29 @@ def watch_split_activations(model: nn.Module, tp_mesh: DeviceMesh) -> Iterator[N
     handles = []
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
+        is_rowwise = _split_over(module, tp_dim, 1)
 
-        def whole_parameters(module: nn.Module, args: Any, prefix: str = prefix) -> None:
+        def entered(module: nn.Module, args: Any, kwargs: Any, prefix: str = prefix, name: str = name) -> None:
+            watch.modules.append((name, any(id(t) in watch.split for t in _compat.tree_leaves((args, kwargs)))))
             for pname, p in module.named_parameters(recurse=False):
-                if not isinstance(p, DTensor) and p.requires_grad:
+                if isinstance(p, DTensor):
+                    watch.dtensors[id(p)] = (f"{prefix}{pname}", p)
+                elif p.requires_grad:
                     watch.parameters[id(p)] = (f"{prefix}{pname}", p)
             watch.constants.update((id(b), b) for b in module.buffers(recurse=False) if not isinstance(b, DTensor))
 
-        handles.append(module.register_forward_pre_hook(whole_parameters))
+        def left(module: nn.Module, args: Any, output: Any, name: str = name, rowwise: bool = is_rowwise) -> None:
+            _, split_in = watch.modules.pop()
+            outputs = [t for t in _compat.tree_leaves(output) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)]
+            if split_in and not rowwise:  # split in, split out, though the module computes on DTensors the watch skips
+                watch.split.update((id(t), t) for t in outputs)
+            if module in OWN_OUTPUT_GRADIENT:  # its style sums its output's gradient
+                for t in outputs:
+                    watch.made_by.pop(id(t), None)
+            else:
+                watch.made(name, output)
+
+        handles.append(module.register_forward_pre_hook(entered, with_kwargs=True, prepend=True))  # before a style's
         if _split_over(module, tp_dim, 0):
 
             def colwise(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
@@ -161,13 +236,15 @@ def watch_split_activations(model: nn.Module, tp_mesh: DeviceMesh) -> Iterator[N
                     watch.colwise_outputs[id(output)] = name
 
             handles.append(module.register_forward_hook(colwise))
-        elif _split_over(module, tp_dim, 1):
+        elif is_rowwise:
 
             def rowwise(module: nn.Module, args: Any, output: Any) -> None:  # summed over tp: whole again
                 if isinstance(output, torch.Tensor):
                     watch.split.pop(id(output), None)
 
             handles.append(module.register_forward_hook(rowwise))
+        handles.append(module.register_forward_hook(left))  # after the colwise / rowwise hook: the split output known
+    watch.dtensors.update((id(p), (n, p)) for n, p in model.named_parameters() if isinstance(p, DTensor))
     try:
         with watch:
             yield
@@ -180,6 +257,16 @@ def watch_split_activations(model: nn.Module, tp_mesh: DeviceMesh) -> Iterator[N
             f"{mixed} (left whole by the tensor-parallel plan, the same on every tp rank) meet both activations the "
             "plan splits over tp and whole ones: each rank's gradient is part split, part whole, and no sum over tp "
             "is exact. Split them with the activations (a style for their module), or gather those activations first"
+        )
+    if watch.whole_on_split:
+        met = "; ".join(f"{layer}'s output, in {where}" for layer, where in sorted(watch.whole_on_split.items())[:3])
+        if len(watch.whole_on_split) > 3:
+            met += f" (and {len(watch.whole_on_split) - 3} more)"
+        raise ValueError(
+            f"a whole activation (the same on every tp rank: of a layer the plan leaves whole, or a rowwise layer's sum) "
+            f"meets activations the plan splits over tp: {met}. Each rank's backward gives it only its heads' "
+            "part of the gradient, and nothing sums the parts. Give that layer the style that splits its output with "
+            "the heads (ColwiseParallel, its per-head parameters with it), or gather the split activations first"
         )
     group = tp_mesh.get_group()
     for parameter in watch.on_split.values():

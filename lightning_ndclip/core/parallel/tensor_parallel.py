@@ -22,6 +22,7 @@ two parameters with two gradients: a different model, trained without a warning.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
 from typing import Any
@@ -174,6 +175,12 @@ def output_not_a_view(module: nn.Module, inputs: Any, output: Any) -> Any:
     if type(output) is torch.Tensor and _compat.view_base(output) is not None:
         return _compat.unsafe_view(output, output.shape)
     return output
+
+
+OWN_OUTPUT_GRADIENT: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Modules with plain (whole) weights whose style sums their output's gradient over tp where the output meets split
+heads (:class:`~lightning_ndclip.core.parallel.hf.LatentKeyParallel`): the split-activation watch leaves their
+output to them. A style whose weights are DTensors owns its output's gradient by being one."""
 
 
 def gradient_summed_over(value: Any, mesh: DeviceMesh) -> Any:
