@@ -53,6 +53,7 @@ from lightning_ndclip.core.pipeline import (
     sync_tied_parameters,
     tie_gradients,
 )
+from lightning_ndclip.core.random import RandomStreams
 
 _LIGHTNING_NAMES = ("GlobalMeanLoss", "GlobalNormClip", "NDParallelStrategy", "VerifyOneDevice", "router_aux_loss")
 
@@ -99,6 +100,7 @@ __all__ = [
     "ParallelPlan",
     "ParallelSummary",
     "PipelineOptions",
+    "RandomStreams",
     "SampleWeights",
     "TokenCount",
     "VerifyOneDevice",

@@ -105,6 +105,7 @@ _MAY_IMPORT = {  # each part of the core, and the other parts it may import (lig
     "experts": {"parallel.expert_parallel"},
     "agree": set(),
     "load_balance": {"parallel.mesh"},
+    "random": {"parallel.mesh"},
 }
 
 

@@ -16,4 +16,6 @@ checks it):
 - :mod:`~lightning_ndclip.core.experts`: a mixture-of-experts layer; imports ``parallel.expert_parallel`` (the token
   exchange of expert parallelism, shared with packed-experts modules);
 - :mod:`~lightning_ndclip.core.agree`: errors raised alike on every rank of a group; imports nothing else.
+- :mod:`~lightning_ndclip.core.random`: the step's random streams on a mesh (peers alike, data ranks apart, forks);
+  imports ``parallel.mesh``.
 """

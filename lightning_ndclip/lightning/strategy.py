@@ -50,6 +50,7 @@ from lightning_ndclip.core.parallel.summary import ParallelSummary, summarize
 from lightning_ndclip.core.parallel.tensor_parallel import check_ties, tied_parameters
 from lightning_ndclip.core.parallel.unused import UnusedParameters
 from lightning_ndclip.core.pipeline import PipelineOptions
+from lightning_ndclip.core.random import RandomStreams
 from lightning_ndclip.lightning._checkpoint import (
     file_system_path,
     refuse_incomplete_checkpoint,
@@ -326,7 +327,9 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._ties: list[tuple[str, ...]] = []
         self._replica_gradients_checked = False
         self._first_forward_watched = False
+        self._streams_checked = False
         self._unused: UnusedParameters | None = None
+        self._random_streams: RandomStreams | None = None
 
     def _transformers_model(self, module: pl.LightningModule) -> nn.Module:
         """The one ``transformers`` model in ``module`` that ``hf_checkpoint`` is loaded into."""
@@ -554,6 +557,30 @@ class NDParallelStrategy(ModelParallelStrategy):
             broadcast_replicas_(module)
             if self._pipeline is not None:
                 self._pipeline.sync_ties()
+        if fitting:  # after every weight is made: the step's draws, peers alike, data ranks and stages apart (to teardown)
+            seed = [torch.initial_seed()]
+            dist.broadcast_object_list(seed, src=0)
+            self._random_streams = RandomStreams(self.meshes, seed[0], self.root_device)
+            self._random_streams.seed_shared()
+
+    @override
+    def teardown(self) -> None:
+        """As Lightning's, and the random generators given back as they were before ``fit`` seeded the step's streams
+        (so a model built after ``fit`` starts equal on every rank, as one built before it)."""
+        if self._random_streams is not None:
+            self._random_streams.restore()
+        super().teardown()
+
+    @property
+    def random_streams(self) -> RandomStreams:
+        """This rank's random streams (:class:`~lightning_ndclip.core.random.RandomStreams`), seeded at ``setup`` of
+        ``fit`` from rank 0's ``torch.initial_seed()`` (what ``lightning.seed_everything`` sets): the step's random
+        numbers are the same on tp and cp peers and differ between data ranks and pipeline stages; draw what must
+        differ over the ranks splitting a tensor (noise for this cp rank's tokens) inside
+        ``self.trainer.strategy.random_streams.fork("cp")``."""
+        if self._random_streams is None:
+            raise RuntimeError("NDParallelStrategy.random_streams exists once fit's setup has run")
+        return self._random_streams
 
     def _check_loss_normalization(self, module: pl.LightningModule) -> None:
         """What ``loss_normalization`` needs of the LightningModule, one rule each."""
@@ -667,17 +694,27 @@ class NDParallelStrategy(ModelParallelStrategy):
         share = self._micro_batch_share()
         self._set_gradient_sync(share.ends_window or self._unused is not None)
         if self._pipeline is not None:
-            return self._refuse_load_balancing(self._pipelined_step(share, *args, **kwargs))
+            output = self._refuse_load_balancing(self._pipelined_step(share, *args, **kwargs))
+            self._check_random_streams()
+            return output
         watch = not self._first_forward_watched and self.parallel_dims.tp > 1
         self._first_forward_watched = True
         with watch_split_activations(self._wrapped_model, self.meshes["tp"]) if watch else nullcontext():
             output, own_losses = self._run_step(super().training_step, args, kwargs)
+        self._check_random_streams()
         if self._windows is None:  # Lightning's mean of micro-batch means: Lightning divides by k itself
             return self._refuse_load_balancing(output)
         k = self._module.trainer.accumulate_grad_batches
         output = self._normalized(output, share, k, own_losses)
         self._log_window_loss(output, k, share.ends_window)
         return output
+
+    def _check_random_streams(self) -> None:
+        """After the first training step: the tp and cp peers' random streams still agree (one host-side all-gather;
+        none without peers)."""
+        if not self._streams_checked and self._random_streams is not None and self.parallel_dims.tp * self.parallel_dims.cp > 1:
+            self._random_streams.check_peers_agree()
+        self._streams_checked = True
 
     @property
     def _cuts_sequences(self) -> bool:
