@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import socket
 import time
+import warnings
 from collections.abc import Callable
+from datetime import timedelta
+from functools import wraps
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -58,3 +64,39 @@ def spawn_and_report(
     write_plot(data, Path(f"{stem}.png"))
     print(Path(f"{stem}.md").read_text())
     print(f"total {time.perf_counter() - t0:.0f} s; wrote {stem}.md/.png/.json")
+
+
+def join_as_trainer_rank(rank: int, world_size: int, port: int, run_id: str, pin: bool = True) -> list[int]:
+    """Make this spawned process rank ``rank`` of a gloo group that a Lightning ``Trainer`` joins as under torchrun:
+    one thread, pinned to core ``rank % cores`` (``pin``: the same sharing in every fit), Lightning's hints and logs
+    off, the environment a TorchElastic launch sets. Returns the cores this process could run on."""
+    torch.set_num_threads(1)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if pin and cores:
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    warnings.filterwarnings("ignore")  # Lightning's hints (num_workers, ...) on every rank and fit
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # full_tensor() of TP params
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", TORCHELASTIC_RUN_ID=run_id,
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=300))  # fmt: skip
+    return cores
+
+
+def time_method(obj: Any, name: str, spent: dict[str, list[float]]) -> None:
+    """Wrap ``obj``'s method ``name`` (on the instance) to add each call's time to ``spent[name][-1]`` (the open slot:
+    a caller appends one per timed step or micro-batch; calls before the first slot are not counted)."""
+    original = getattr(obj, name)
+
+    @wraps(original)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if spent[name]:
+                spent[name][-1] += time.perf_counter() - start
+
+    setattr(obj, name, timed)

@@ -21,19 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import time
-import warnings
-from datetime import timedelta
-from functools import wraps
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 import torch.distributed as dist
-from _common import spawn_and_report
+from _common import join_as_trainer_rank, spawn_and_report, time_method
 from bench_step import BATCH_PER_DP_RANK, SEQ, NullLogger, StepModel, StepTimer
 
 from lightning_ndclip import GlobalNormClip, NDParallelStrategy
@@ -49,22 +43,6 @@ SEGMENTS = {  # the strategy's methods that do the exact mean's work, and what t
 class CountingStepModel(StepModel):
     def count_tokens(self, batch) -> int:  # every position is a token
         return batch[0].shape[0] * batch[0].shape[1]
-
-
-def _timed(strategy: NDParallelStrategy, name: str, spent: dict[str, list[float]]) -> None:
-    """Wrap the strategy instance's method ``name`` to add its time to ``spent[name][-1]``."""
-    original = getattr(strategy, name)
-
-    @wraps(original)
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            if spent[name]:
-                spent[name][-1] += time.perf_counter() - start
-
-    setattr(strategy, name, timed)
 
 
 class SegmentSteps(L.Callback):
@@ -86,7 +64,7 @@ def run_fit(normalized: bool, args) -> dict:
     spent: dict[str, list[float]] = {name: [] for name in SEGMENTS}
     if normalized:
         for name in SEGMENTS:
-            _timed(strategy, name, spent)
+            time_method(strategy, name, spent)
     timer = StepTimer(args.warmup)
     trainer = L.Trainer(
         accelerator="cpu", devices=args.world_size, strategy=strategy, logger=NullLogger(), log_every_n_steps=1,
@@ -99,19 +77,7 @@ def run_fit(normalized: bool, args) -> dict:
 
 
 def worker(rank: int, args, port: int, out_json: str) -> None:
-    torch.set_num_threads(1)
-    if hasattr(os, "sched_setaffinity"):  # rank r on core r % cores, as bench_step.py
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
-    warnings.filterwarnings("ignore")
-    import logging
-
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(args.world_size), GROUP_RANK="0", TORCHELASTIC_RUN_ID="bench_exact_loss",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=args.world_size, timeout=timedelta(seconds=300))  # fmt: skip
+    join_as_trainer_rank(rank, args.world_size, port, "bench_exact_loss")
     rows = []
     for run in range(args.runs):
         row: dict[str, Any] = {"run": run + 1}

@@ -23,17 +23,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import time
-import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
 import torch
 import torch.distributed as dist
-from _common import spawn_and_report  # benchmarks/_common.py
+from _common import join_as_trainer_rank, spawn_and_report  # benchmarks/_common.py
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -319,20 +316,7 @@ def reduce_ranks(per_rank: list[dict]) -> dict:
 
 
 def worker(rank: int, args, port: int, out_json: str) -> None:
-    torch.set_num_threads(1)
-    if args.pin and hasattr(os, "sched_setaffinity"):  # rank r on core r % cores: the same sharing in every fit
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
-    warnings.filterwarnings("ignore")  # Lightning's hints (num_workers, ...) on every rank and fit
-    import logging
-
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # full_tensor() of TP params
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(args.world_size), GROUP_RANK="0", TORCHELASTIC_RUN_ID="bench_step",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=args.world_size, timeout=timedelta(seconds=300))
+    join_as_trainer_rank(rank, args.world_size, port, "bench_step", pin=args.pin)
     rows = []
     for layout in args.layouts:
         for layers in args.layers:

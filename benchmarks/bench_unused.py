@@ -27,17 +27,12 @@ import argparse
 import json
 import os
 import statistics
-import time
-import warnings
-from datetime import timedelta
-from functools import wraps
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 import torch.distributed as dist
-from _common import spawn_and_report
+from _common import join_as_trainer_rank, spawn_and_report, time_method
 from bench_step import BATCH_PER_DP_RANK, SEQ, NullLogger, StepModel, StepTimer
 
 from lightning_ndclip import GlobalNormClip, NDParallelStrategy
@@ -48,22 +43,6 @@ SEGMENTS = {  # the UnusedParameters methods timed inside the "on" fit, and what
     "prepare_backward": "prepare backward: the autograd graph walk and the flags' all-reduce",
 }
 ACCUMULATE = (1, 2)
-
-
-def _timed(obj: Any, name: str, spent: dict[str, list[float]]) -> None:
-    """Wrap the instance's method ``name`` to add its time to ``spent[name][-1]``."""
-    original = getattr(obj, name)
-
-    @wraps(original)
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            if spent[name]:
-                spent[name][-1] += time.perf_counter() - start
-
-    setattr(obj, name, timed)
 
 
 class UnusedSegments(L.Callback):
@@ -78,7 +57,7 @@ class UnusedSegments(L.Callback):
         unused = trainer.strategy._unused
         self.units = len(unused.units)
         for name in SEGMENTS:
-            _timed(unused, name, self.spent)
+            time_method(unused, name, self.spent)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if batch_idx >= self.warmup:
@@ -110,19 +89,7 @@ def run_fit(on: bool, k: int, args: argparse.Namespace) -> dict:
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, out_json: str) -> None:
-    torch.set_num_threads(1)
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if cores:  # rank r on core r % cores, as bench_step.py
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
-    warnings.filterwarnings("ignore")
-    import logging
-
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(args.world_size), GROUP_RANK="0", TORCHELASTIC_RUN_ID="bench_unused",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=args.world_size, timeout=timedelta(seconds=300))  # fmt: skip
+    cores = join_as_trainer_rank(rank, args.world_size, port, "bench_unused")
     rows = []
     for run in range(args.runs):
         for k in ACCUMULATE:
