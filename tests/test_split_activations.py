@@ -192,3 +192,37 @@ def test_a_whole_activation_entering_split_heads_is_named_at_the_first_forward()
         for name, p in plain.named_parameters():
             if p.grad is not None:
                 torch.testing.assert_close(grads[name], p.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+class _RowwiseInside(nn.Module):
+    """A module fed split activations that sums them itself (its rowwise layer inside), then a norm on the whole
+    output: the norm's gradient is whole on every rank, not to be summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.tail = nn.Sequential(nn.ReLU(), nn.Linear(2 * WIDTH, WIDTH))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.double()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.tail(self.up(h)))
+
+
+def _rowwise_inside_case() -> dict:
+    model = _RowwiseInside()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    parallelize_module(model, mesh, {"up": ColwiseParallel(), "tail.1": RowwiseParallel()})
+    with watch_split_activations(model, mesh):
+        loss = model(INPUT).square().sum()
+    loss.backward()
+    return {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
+
+
+def test_a_module_that_sums_its_split_input_itself_returns_a_whole_activation():
+    reference = _RowwiseInside()
+    reference(INPUT).square().sum().backward()
+    for grads in run_on_ranks(2, _rowwise_inside_case):
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-12, atol=1e-12, msg=name)

@@ -18,10 +18,11 @@ these blocks until a ``RowwiseParallel`` layer sums them. Two mistakes there tra
   per-head tensor of all heads against this rank's heads) is a shape error: both a ``ValueError`` naming
   the parameter.
 * **A whole activation entering split ones**: the output of a layer the plan leaves whole, or of a rowwise
-  layer (summed over tp), that requires grad, meeting split activations outside a colwise layer (a rotary key shared by every head
-  concatenated to this rank's heads, a per-head mask computed for every head). Each rank's backward gives it
-  its heads' part of the gradient, and nothing sums the parts: a ``ValueError`` names the layer that made it
-  and the module where it met the split ones. (``ColwiseParallel`` sums its input's gradient itself.)
+  layer (summed over tp), that requires grad, meeting split activations outside a colwise layer (a rotary
+  key shared by every head concatenated to this rank's heads, a per-head mask computed for every head).
+  Each rank's backward gives it its heads' part of the gradient, and nothing sums the parts: a
+  ``ValueError`` names the layer that made it and the module where it met the split ones.
+  (``ColwiseParallel`` sums its input's gradient itself.)
 
 A weight split by a style (a DTensor) that the model reads outside its module's forward, with plain
 tensors, fails in DTensor; a ``ValueError`` names it.
@@ -219,7 +220,8 @@ def watch_split_activations(model: nn.Module, tp_mesh: DeviceMesh) -> Iterator[N
             _, split_in = watch.modules.pop()
             outputs = [t for t in _compat.tree_leaves(output) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)]
             if split_in and not rowwise:  # split in, split out, though the module computes on DTensors the watch skips
-                watch.split.update((id(t), t) for t in outputs)
+                # (an output known whole, a rowwise layer's inside it, stays whole)
+                watch.split.update((id(t), t) for t in outputs if id(t) not in watch.made_by and not watch.sources(t))
             if module in OWN_OUTPUT_GRADIENT:  # its style sums its output's gradient
                 for t in outputs:
                     watch.made_by.pop(id(t), None)
