@@ -106,6 +106,7 @@ _MAY_IMPORT = {  # each part of the core, and the other parts it may import (lig
     "agree": set(),
     "load_balance": {"parallel.mesh"},
     "random": {"parallel.mesh"},
+    "draws": set(),
 }
 
 

@@ -17,5 +17,7 @@ checks it):
   exchange of expert parallelism, shared with packed-experts modules);
 - :mod:`~lightning_ndclip.core.agree`: errors raised alike on every rank of a group; imports nothing else.
 - :mod:`~lightning_ndclip.core.random`: the step's random streams on a mesh (peers alike, data ranks apart, forks);
-  imports ``parallel.mesh``.
+  imports ``parallel.mesh``;
+- :mod:`~lightning_ndclip.core.draws`: a step's random draws recorded on the ranks and replayed on one device;
+  imports nothing else.
 """

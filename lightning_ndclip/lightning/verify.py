@@ -19,6 +19,18 @@ With ``count_tokens`` and a mean loss it also replays the window as one batch (t
 concatenated: what one device computes), which must equal the weighted micro-batches: a count of other
 tokens than the loss averages over, or a loss that is no token mean, is caught there.
 
+A step that draws random numbers (dropout, noise) is replayed with the parallel step's own draws
+(:mod:`lightning_ndclip.core.draws`): every rank records the draws of each micro-batch's forward (from
+``on_train_batch_start`` to ``on_before_backward``: activation checkpointing's recomputation is not
+recorded), sends them to rank 0 with its micro-batches, and each micro-batch's replay draws them instead,
+each assembled from the ranks holding its samples: alike on the tp / cp peers (a replicated activation's
+mask), or each tp rank's part concatenated in tp rank order (dropout on a colwise layer's heads). Peers
+that drew different numbers for a tensor they each hold whole are a mismatch (no one device computes
+that); a draw on a ``DTensor``, inside a fused kernel (attention with dropout on CUDA), split over ``cp``,
+or with ``pp > 1`` is "not checked", with its reason, and a warning. The window as one batch cannot
+reuse the micro-batches' draws: it is left out when the step drew. A step that draws nothing sends
+nothing more and is checked as before.
+
 It then compares the window's loss, every parameter's gradient (by the module's own names) and the
 total norm, prints a short report on rank 0, and on a mismatch raises ``ValueError`` on every rank
 (or warns) naming the parameters and, where it can tell, why: a tie that parallelization split into
@@ -35,11 +47,13 @@ of that stage, by the names of the unsplit model; parameters tied across stages
 (``PipelineOptions.tied_parameters``) count once in the norm.
 
 Limits: the plain module must fit in one process's CPU memory: rank 0 holds a copy of it from
-``setup`` to the first step, and then the window's micro-batches, every gradient whole and the
-replay at once; randomness (dropout) must be off or drawn alike; the
-module's weights must be real when ``setup`` runs (not on the meta device; layers built in
-``configure_model`` are not in the copy); ``training_step`` may use of the trainer only what the
-one-process stand-in above has.
+``setup`` to the first step, and then the window's micro-batches, every gradient whole, the random
+draws of the window's forwards (a CPU copy of every mask, on the rank that drew it and on rank 0) and
+the replay at once; random draws are replayed only where they can be (above): those of
+``training_step``'s forward, drawn in the same order on one process (one in ``count_tokens`` or
+``sample_ids`` is not); the module's weights must be real when ``setup`` runs (not on the meta
+device; layers built in ``configure_model`` are not in the copy); ``training_step`` may use of the
+trainer only what the one-process stand-in above has.
 """
 
 from __future__ import annotations
@@ -50,8 +64,9 @@ import re
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -59,13 +74,14 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_ndclip import _compat
+from lightning_ndclip.core.draws import NotReplayable, PeersDrewApart, RandomDraws, Source, assemble_peers
 from lightning_ndclip.core.load_balance import LOAD_BALANCING_KEY, PooledRouting
 from lightning_ndclip.core.parallel.mesh import ParallelMeshes, one_rank_meshes
 from lightning_ndclip.core.parallel.tensor_parallel import tied_parameters
@@ -94,7 +110,13 @@ class VerifyOneDevice(Callback):
             MoE router's auxiliary loss computed per rank). With a ``"load_balancing_loss"``
             (:func:`~lightning_ndclip.lightning.expert_load.router_aux_loss`), each global micro-batch is
             one batch instead. Needs micro-batches of equal shapes but for dim 0 (else the report says
-            it was not checked) and room for the whole window's activations.
+            it was not checked) and room for the whole window's activations. Left out when the step
+            draws random numbers (the report says so).
+
+    A step that draws random numbers (dropout) is replayed with its own draws, each micro-batch's, those of
+    tensor-parallel peers joined as one device holds them; peers that drew apart are a mismatch, draws that
+    cannot be replayed (on a ``DTensor``, split over ``cp``, with ``pp > 1``) make the report "not checked"
+    (a warning, not an error).
 
     Put it before :class:`~lightning_ndclip.GlobalNormClip` in ``callbacks`` (the gradients are
     compared before clipping; the other order is refused at setup). After the first step it does
@@ -111,6 +133,9 @@ class VerifyOneDevice(Callback):
         self._batches: list[tuple[int, Any]] = []
         self._outputs: list[float] = []
         self._grads: dict[str, torch.Tensor | None] | None = None
+        self._recorder: RandomDraws | None = None
+        self._draws: list[list[torch.Tensor]] = []  # this rank's random draws, per micro-batch of the window
+        self._unsupported: list[str] = []  # draws that cannot be replayed
         self._one_rank: ParallelMeshes | None = None
         self._done = False
         self._started = self._peak = 0.0
@@ -133,6 +158,28 @@ class VerifyOneDevice(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if not self._done:
             self._batches.append((batch_idx, _on_cpu(batch)))
+            self._recorder = RandomDraws()  # the forward's draws, until on_before_backward
+            self._recorder.__enter__()
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._stop_recording()  # backward's draws (activation checkpointing recomputing) are the forward's again
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_recording()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop_recording()
+
+    def _stop_recording(self) -> None:
+        """Leave the recording mode (once per micro-batch) and keep what it recorded."""
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            recorder.__exit__(None, None, None)
+            self._draws.append(recorder.draws)
+            self._unsupported += recorder.unsupported
 
     @override
     def on_before_optimizer_step(
@@ -157,6 +204,7 @@ class VerifyOneDevice(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._stop_recording()  # a micro-batch without backward (training_step returned None)
         if self._done:
             return
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
@@ -168,26 +216,34 @@ class VerifyOneDevice(Callback):
         rank0 = trainer.global_rank == 0
         dims = getattr(trainer.strategy, "parallel_dims", None)
         cp_rank = trainer.strategy.meshes["cp"].get_local_rank() if getattr(dims, "cp", 1) > 1 else 0  # type: ignore[attr-defined]
+        tp_rank = _tp_rank(trainer)
         # the data rank's micro-batches (its cp / tp / pp peers hold the same); this rank's losses (its cp peers'
-        # cover the other parts of the sequence); the gradients of this rank's pipeline stages
-        mine = (int(sampler["rank"]), cp_rank, self._batches, self._outputs, None if rank0 else self._grads)
+        # cover the other parts of the sequence); the gradients of this rank's pipeline stages; its random draws
+        # (empty lists without any: nothing more to send)
+        mine = (
+            int(sampler["rank"]), cp_rank, self._batches, self._outputs, None if rank0 else self._grads,
+            tp_rank, self._draws, self._unsupported,
+        )  # fmt: skip
         gathered: list[Any] = [mine]
         if trainer.world_size > 1:
             gathered = [None] * trainer.world_size
             dist.gather_object(mine, gathered if rank0 else None, dst=0)
         verdict: list[Any] = [None]
         if rank0:
-            by_data_rank = {rank: batches for rank, _, batches, _, _ in gathered}
-            losses = {(rank, cp): sum(outs) for rank, cp, _, outs, _ in gathered}
-            for *_, stage_grads in gathered:
+            by_data_rank = {rank: batches for rank, _, batches, *_ in gathered}
+            losses = {(rank, cp): sum(outs) for rank, cp, _, outs, *_ in gathered}
+            for stage_grads in (g[4] for g in gathered):
                 self._grads.update(stage_grads or {})
             try:
-                verdict[0] = self._compare(trainer, pl_module, [by_data_rank[r] for r in sorted(by_data_rank)], losses)
+                draws = _StepDraws.of(gathered, _pipeline_options(trainer) is not None)
+                with torch.random.fork_rng(devices=[]):  # rank 0's generator as its peers' after the replay
+                    data = [by_data_rank[r] for r in sorted(by_data_rank)]
+                    verdict[0] = self._compare(trainer, pl_module, data, losses, draws)
             except Exception as error:  # the others wait in the broadcast below: they raise it too
                 verdict[0] = f"VerifyOneDevice could not replay the step on one process: {type(error).__name__}: {error}"
         if trainer.world_size > 1:
             dist.broadcast_object_list(verdict, src=0)
-        self._plain, self._batches, self._grads = None, [], None
+        self._plain, self._batches, self._grads, self._draws = None, [], None, []
         problem = verdict[0]
         if problem is not None:
             if self.on_mismatch == "raise":
@@ -195,16 +251,29 @@ class VerifyOneDevice(Callback):
             warnings.warn(problem, UserWarning, stacklevel=2)
 
     def _compare(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, data: list[list], losses: dict[tuple[int, int], float]
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        data: list[list],
+        losses: dict[tuple[int, int], float],
+        draws: _StepDraws | None = None,
     ) -> str | None:
-        """Replay the window on the plain copy; print the report; the mismatch message, or ``None``."""
+        """Replay the window on the plain copy (with the step's own random ``draws``, if it drew); print the report;
+        the mismatch message, or ``None``."""
         assert self._plain is not None and self._grads is not None
         stand_in = _OneProcessStrategy(trainer.strategy, self._one_rank)
         normalized = stand_in.loss_normalization is not None
         micro_batches = [b for batches in data for b in batches]
         one_process = _OneProcess(trainer, stand_in)
         k = len(data[0])
-        plain, dtype, window_loss, pooled = _replay(self._plain, data, one_process)
+        if draws is not None and draws.problem:
+            return self._unreplayed(k, len(data), draws, f"not checked: {draws.problem}")
+        try:
+            plain, dtype, window_loss, pooled = _replay(self._plain, data, one_process, None if draws is None else draws.pieces)
+        except PeersDrewApart as error:
+            return self._unreplayed(k, len(data), draws, f"MISMATCH: {error}")
+        except NotReplayable as error:
+            return self._unreplayed(k, len(data), draws, f"not checked: {error}")
         reference = {_WRAPPERS.sub("", n): p.grad for n, p in plain.named_parameters(remove_duplicate=False)}
         pipeline = _pipeline_options(trainer)
         # Lightning reports each micro-batch's loss over k; a pipeline's is its share of the window already
@@ -218,14 +287,17 @@ class VerifyOneDevice(Callback):
         rows = _rows(self._grads, reference, tied_parameters(plain), parallel_ties, ref_norm)
         bad = [r for r in rows if r[1] > rtol]
         loss_err, norm_err = _relative(parallel_loss, ref_loss), _relative(norm, ref_norm)
+        one_batch = (
+            self.whole_window and stand_in.loss_reduction == "mean" and stand_in.loss_normalization != "sample_mean"
+            and callable(getattr(plain, "count_tokens", None))
+        )  # fmt: skip
         window = (
-            _WindowCheck.of(
+            None if not one_batch
+            else _WindowCheck(skipped=f"not checked: {_DREW_NOTE}") if draws is not None
+            else _WindowCheck.of(
                 self._plain, [[b[m] for b in data] for m in range(k)] if pooled else [micro_batches],
                 one_process, dtype, reference, ref_loss, ref_norm,
             )
-            if self.whole_window and stand_in.loss_reduction == "mean" and stand_in.loss_normalization != "sample_mean"
-            and callable(getattr(plain, "count_tokens", None))
-            else None
         )  # fmt: skip
         window_bad = window is not None and window.differs(rtol)
         verdict = (
@@ -242,6 +314,7 @@ class VerifyOneDevice(Callback):
             f"  worst parameters (of {len(rows)}):",
             *(f"    {name:<44} {err:9.1e}  {cause}" for name, err, cause in rows[: self.rows]),
             *([] if window is None else [f"  as one batch {window.summary()}"]),
+            *([] if draws is None else [f"  random draws  {draws.summary()}"]),
             f"  verdict: {verdict}",
             f"  the check took {time.perf_counter() - self._started:.2f} s (gathering, replay, comparison); rank 0's "
             f"peak memory grew by {max(0.0, _peak_mb() - self._peak):.0f} MB",
@@ -258,6 +331,30 @@ class VerifyOneDevice(Callback):
             f"{verdict}; loss rel. error {loss_err:.1e}, total norm rel. error {norm_err:.1e}. {named}"
             + (f". {window.explanation()}" if window is not None and window_bad else "")
         )
+
+    def _unreplayed(self, k: int, data_ranks: int, draws: _StepDraws | None, verdict: str) -> str | None:
+        """The report of a step whose random draws could not be replayed (``verdict`` says why): a warning when
+        ``"not checked"``; the mismatch message when peers drew apart."""
+        lines = [
+            f"VerifyOneDevice: the first optimizer step ({k} micro-batch(es) x {data_ranks} data rank(s)) not replayed "
+            "on one process: its random draws",
+            *([] if draws is None else [f"  random draws  {draws.summary(replayed=False)}"]),
+            f"  verdict: {verdict}",
+            f"  the check took {time.perf_counter() - self._started:.2f} s (gathering, replay, comparison); rank 0's "
+            f"peak memory grew by {max(0.0, _peak_mb() - self._peak):.0f} MB",
+        ]
+        self.report = "\n".join(lines)
+        rank_zero_info(self.report)
+        if verdict.startswith("MISMATCH"):
+            return (
+                f"VerifyOneDevice: the parallel run differs from the same module on one process at the first step: "
+                f"{verdict.removeprefix('MISMATCH: ')}. Seed every rank alike (lightning.seed_everything), and draw "
+                "what must differ per rank (noise for this rank's tokens, dropout on this rank's heads) from a stream "
+                "of that rank's own"
+            )
+        reason = verdict.removeprefix("not checked: ")
+        rank_zero_warn(f"VerifyOneDevice did not check the first step against one process: {reason}")
+        return None
 
 
 def _refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, callback: VerifyOneDevice) -> None:
@@ -276,6 +373,14 @@ def _refuse_unsupported(trainer: pl.Trainer, pl_module: pl.LightningModule, call
         raise ValueError("VerifyOneDevice cannot check this run: " + "; ".join(problems))
 
 
+class _OneProcessStreams:
+    """``random_streams`` as a replayed step sees it: one process, one stream; a fork draws from it (the replay feeds
+    the step the parallel ranks' recorded draws in any case)."""
+
+    def fork(self, *dims: str) -> AbstractContextManager[None]:
+        return nullcontext()
+
+
 class _OneProcessStrategy:
     """The strategy a replayed step sees: the run's loss normalization, on one process."""
 
@@ -289,6 +394,7 @@ class _OneProcessStrategy:
         self._one_rank = one_rank
         self.world_mesh = None if one_rank is None else one_rank.world
         self.module: Any = None  # the replayed copy
+        self.random_streams = _OneProcessStreams()
 
     @property
     def meshes(self) -> ParallelMeshes:
@@ -328,6 +434,19 @@ def _pipeline_options(trainer: pl.Trainer) -> Any:
     """The run's ``PipelineOptions`` when ``pp > 1``, else ``None``."""
     dims = getattr(trainer.strategy, "parallel_dims", None)
     return trainer.strategy.pipeline_options if getattr(dims, "pp", 1) > 1 else None  # type: ignore[attr-defined]
+
+
+def _tp_rank(trainer: pl.Trainer) -> int:
+    """This rank's tensor-parallel rank: on ``meshes["tp"]`` (``NDParallelStrategy``), or on the device mesh's
+    ``"tensor_parallel"`` dim (Lightning's ``ModelParallelStrategy``); 0 without tensor parallelism."""
+    strategy: Any = trainer.strategy
+    dims = getattr(strategy, "parallel_dims", None)
+    if dims is not None:
+        return strategy.meshes["tp"].get_local_rank() if dims.tp > 1 else 0
+    mesh = getattr(strategy, "device_mesh", None)
+    if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
+        return 0
+    return mesh["tensor_parallel"].get_local_rank()
 
 
 def _keeps_gradients(trainer: pl.Trainer) -> bool:
@@ -371,23 +490,27 @@ def _on_cpu(batch: Any) -> Any:
 
 
 def _replay(
-    plain: pl.LightningModule, data: list[list[tuple[int, Any]]], trainer: _OneProcess
+    plain: pl.LightningModule,
+    data: list[list[tuple[int, Any]]],
+    trainer: _OneProcess,
+    draws: list[_PieceDraws] | None = None,
 ) -> tuple[pl.LightningModule, torch.dtype, float, bool]:
     """A copy of ``plain`` holding the window's gradient, in float64 if the module runs in it (else
     float32), its dtype, the window's loss, and whether its steps return a ``"load_balancing_loss"``.
 
-    ``data`` holds each data rank's micro-batches. A step that returns a load-balancing loss (of the global
-    micro-batch: every data rank's micro-batch ``m``) is replayed twice: once to sum each global micro-batch's
+    ``data`` holds each data rank's micro-batches; ``draws``, if the step drew random numbers, each micro-batch's
+    (in the same order), which its ``training_step`` then draws. A step that returns a load-balancing loss (of the
+    global micro-batch: every data rank's micro-batch ``m``) is replayed twice: once to sum each global micro-batch's
     routing statistics, and again with them (:class:`~lightning_ndclip.core.load_balance.PooledRouting`)."""
     pieces = [(m, batch) for batches in data for m, batch in enumerate(batches)]
     for dtype in (torch.float64, torch.float32):
         model = _copy(plain, trainer, dtype)
         try:
             pool = PooledRouting()
-            window = _accumulate(model, pieces, trainer.strategy, dtype, pool.record)
+            window = _accumulate(model, pieces, trainer.strategy, dtype, pool.record, draws)
             if pool.used:
                 model.zero_grad(set_to_none=True)
-                window = _accumulate(model, pieces, trainer.strategy, dtype, pool.apply)
+                window = _accumulate(model, pieces, trainer.strategy, dtype, pool.apply, draws)
             return model, dtype, window, pool.used
         except (RuntimeError, TypeError):
             if dtype == torch.float32:
@@ -410,10 +533,12 @@ def _accumulate(
     strategy: _OneProcessStrategy,
     dtype: torch.dtype,
     routing: Callable[[int], AbstractContextManager[None]],
+    draws: list[_PieceDraws] | None = None,
 ) -> float:
     """Run ``training_step`` on every micro-batch (``(its index in its window, (batch_idx, batch))``), each inside
-    ``routing(index)``, its loss weighted as one device would weigh it, a load-balancing loss as the mean over the
-    window's micro-batches, and backward; returns the window's loss."""
+    ``routing(index)`` and replaying its random ``draws`` (each pass from its first), its loss weighted as one device
+    would weigh it, a load-balancing loss as the mean over the window's micro-batches, and backward; returns the
+    window's loss."""
     cast = [(i, _cast(b, dtype)) for _, (i, b) in pieces]
     if strategy.loss_normalization == "sample_mean":
         weights: list[Any] = _sample_weights(model, cast)
@@ -421,8 +546,8 @@ def _accumulate(
         weights = _token_weights(model, cast, strategy.loss_reduction)
     k = 1 + max(m for m, _ in pieces)
     window = torch.zeros((), dtype=torch.float64)
-    for (m, _), (batch_idx, batch), weight in zip(pieces, cast, weights):
-        with routing(m):
+    for i, ((m, _), (batch_idx, batch), weight) in enumerate(zip(pieces, cast, weights)):
+        with routing(m), _replaying(None if draws is None else draws[i]):
             loss, balancing = _training_step(model, batch_idx, batch)
         if loss is None:  # a skipped micro-batch, as Lightning skips it
             continue
@@ -433,6 +558,82 @@ def _accumulate(
             weighted.backward()
         window += weighted.detach().double()
     return float(window)
+
+
+def _replaying(draws: _PieceDraws | None) -> AbstractContextManager[Any]:
+    """A micro-batch's forward drawing the parallel step's random numbers (a fresh cursor on every call)."""
+    return nullcontext() if draws is None else RandomDraws(replay=draws.sources, label=draws.label)
+
+
+_DREW_NOTE = "the step drew random numbers, which one batch would draw anew (only its micro-batches replay them)"
+
+
+@dataclass(frozen=True)
+class _PieceDraws:
+    """One micro-batch's draws for the replay: where it is (for errors) and one source per draw."""
+
+    label: str
+    sources: list[Source]
+
+
+@dataclass(frozen=True)
+class _StepDraws:
+    """The window's random draws as one device replays them: each micro-batch's (data ranks in order, then its
+    micro-batches), each draw assembled from the ranks holding its samples; or why they cannot be replayed."""
+
+    pieces: list[_PieceDraws]
+    count: int  # drawn on all ranks together
+    peers: str = ""
+    problem: str = ""
+
+    @staticmethod
+    def of(gathered: list[Any], pipelined: bool) -> _StepDraws | None:
+        """From the gathered ``(data rank, cp rank, ..., tp rank, draws per micro-batch, unsupported)`` of every
+        rank; ``None`` when no rank drew (the step is checked as before)."""
+        count = sum(len(d) for g in gathered for d in g[6])
+        unsupported = [u for g in gathered for u in g[7]]
+        if not count and not unsupported:
+            return None
+        if unsupported:
+            more = f" (and {len(unsupported) - 1} more)" if len(unsupported) > 1 else ""
+            return _StepDraws([], count, problem=f"a random draw that cannot be replayed: {unsupported[0]}{more}")
+        if pipelined:
+            return _StepDraws([], count, problem="random draws with pp > 1 (the schedule runs the stages inside training_step)")
+        by_rank: dict[int, dict[tuple[int, int], list[list[torch.Tensor]]]] = {}
+        for rank, cp, _, _, _, tp, draws, _ in gathered:
+            if (cp, tp) in by_rank.setdefault(rank, {}):
+                problem = f"random draws on ranks that hold the same samples at the same cp and tp ranks (data rank {rank})"
+                return _StepDraws([], count, problem=problem)
+            by_rank[rank][(cp, tp)] = draws
+        pieces = []
+        for rank in sorted(by_rank):
+            peers = by_rank[rank]
+            cps, tps = sorted({c for c, _ in peers}), sorted({t for _, t in peers})
+            for m in range(min(len(d) for d in peers.values())):
+                counts = {key: len(d[m]) for key, d in peers.items()}
+                if len(set(counts.values())) > 1:
+                    drawn = ", ".join(f"cp {c} tp {t}: {n}" for (c, t), n in sorted(counts.items()))
+                    problem = (
+                        f"data rank {rank}, micro-batch {m}: the ranks holding its samples drew different numbers of "
+                        f"random tensors ({drawn})"
+                    )
+                    return _StepDraws([], count, problem=problem)
+                by_cp = [[peers[(c, t)][m] for t in tps if (c, t) in peers] for c in cps]  # each rank's draws
+                sources: list[Source] = [
+                    partial(assemble_peers, [[drawn[j] for drawn in by_tp] for by_tp in by_cp])
+                    for j in range(next(iter(counts.values())))
+                ]
+                pieces.append(_PieceDraws(f"data rank {rank}, micro-batch {m}", sources))
+        sizes = {(len({c for c, _ in p}), len({t for _, t in p})) for p in by_rank.values()}
+        cp, tp = max(sizes)
+        peers_note = " and ".join(f"{n} {dim} ranks" for dim, n in (("tp", tp), ("cp", cp)) if n > 1)
+        return _StepDraws(pieces, count, peers=peers_note)
+
+    def summary(self, replayed: bool = True) -> str:
+        if not replayed:
+            return f"{self.count} drawn by the ranks"
+        joined = f", each assembled from {self.peers}" if self.peers else ""
+        return f"{sum(len(p.sources) for p in self.pieces)} replayed (the parallel step's own, per micro-batch{joined})"
 
 
 def _cast(batch: Any, dtype: torch.dtype) -> Any:
