@@ -59,6 +59,14 @@ def worker(rank: int, world: int, dp: int, tp: int, max_norm: float, port: int) 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    demo(dp, tp, max_norm)
+    dist.destroy_process_group()
+
+
+def demo(dp: int, tp: int, max_norm: float) -> None:
+    """On every rank of the process group (``dp x tp`` ranks): the model parallelized, one backward, torch's clip
+    tried, the exact norm and the clip; rank 0 prints them against one device."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
     model = parallelize(build_model(), mesh)
     x, y = batches(dp)[mesh["dp_shard"].get_local_rank()]
@@ -87,7 +95,6 @@ def worker(rank: int, world: int, dp: int, tp: int, max_norm: float, port: int) 
         print("per-parameter global norms (same all-reduce):")
         for name, value in norms.as_dict().items():
             print(f"  {name:<12} {float(value):.10f}")
-    dist.destroy_process_group()
 
 
 def main() -> None:

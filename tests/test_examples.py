@@ -1,8 +1,8 @@
 """Run each example briefly, as a user would, so they cannot rot.
 
 The launchers themselves (Lightning's, which starts the other ranks as processes running the script, and torchrun) are
-run on the quickstart and the norm demo; the other examples' ``main`` runs on the ranks of a harness pool, as under
-torchrun (each process importing torch and Lightning again would take most of the suite's time).
+run on the quickstart; the other examples run on the ranks of a harness pool (their ``main(argv)``, the norm demo's
+``demo``), as under torchrun: each process importing torch and Lightning again would take most of the suite's time.
 """
 
 from __future__ import annotations
@@ -103,8 +103,17 @@ def _scalars(run_dir: Path) -> dict[str, list[float]]:
     return {tag: [e.value for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
 
 
-def test_norm_demo_matches_single_device(tmp_path):
-    out = _run("norm_demo.py", cwd=tmp_path)
+def _norm_demo_on_rank() -> str:
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        importlib.import_module("norm_demo").demo(2, 2, 0.25)  # the script's defaults, on the pool's 4 ranks
+    return out.getvalue()
+
+
+def test_norm_demo_matches_single_device():
+    out = run_on_ranks(4, _norm_demo_on_rank)[0]
     error = float(re.search(r"relative error\s*:\s*(\S+)", out).group(1))
     assert error <= 1e-12
     assert re.search(r"collectives for norms \+ clip\s*:\s*1\b", out)
