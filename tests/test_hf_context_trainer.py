@@ -255,3 +255,39 @@ def _own_mean_case() -> str:
 def test_a_scalar_mean_of_its_own_is_refused_under_cp():
     message = run_on_ranks(4, _own_mean_case)[0]
     assert "must return per-token losses" in message and "the transformers model's own .loss" in message, message
+
+
+class _DropoutLM(_CausalLM):
+    """GPT-NeoX with hidden dropout; records the zeros of every dropout's output (its mask) in each step."""
+
+    def __init__(self) -> None:
+        super().__init__("GPT-NeoX", batch=ROWS // 4)
+        self.lm = tiny_causal_lm("GPT-NeoX", hidden_dropout=0.5)
+        self.masks: list[torch.Tensor] = []
+
+    def on_train_start(self) -> None:
+        for m in self.lm.modules():
+            if isinstance(m, torch.nn.Dropout) and m.p > 0:
+                m.register_forward_hook(lambda module, args, out: self.masks.append((out == 0).detach().clone()))
+
+
+def _dropout_case() -> list[torch.Tensor]:
+    use_existing_process_group()
+    module = _DropoutLM()
+    plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=[type(module.lm.base_model.layers[0])])
+    strategy = nd.NDParallelStrategy(dp_shard=2, cp=2, plan=plan, loss_normalization="token_mean", summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=1, use_distributed_sampler=False, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    L.seed_everything(0, verbose=False)
+    trainer.fit(module)
+    return module.masks
+
+
+def test_dropout_inside_a_model_whose_sequences_are_cut_over_cp_differs_between_the_parts():
+    """Every activation of the model is this cp rank's tokens: its dropout draws from the rank's own stream over cp
+    (with the shared stream, both halves of a sequence got the same mask at the same local positions)."""
+    masks = run_on_ranks(4, _dropout_case)  # ranks 0 and 1: the two cp halves of data rank 0's sequences
+    assert len(masks[0]) == len(masks[1]) > 0 and masks[0][0].float().mean() > 0.2
+    assert all(not torch.equal(a, b) for a, b in zip(masks[0], masks[1]))

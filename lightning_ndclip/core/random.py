@@ -27,14 +27,17 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_ndclip.core.parallel.mesh import ParallelMeshes
 
-__all__ = ["RandomStreams"]
+__all__ = ["RandomStreams", "fork_forward"]
 
 _FORKABLE = ("cp", "tp")
 """The mesh dims a draw can be split over: the ranks of the others hold other samples or layers anyway."""
@@ -131,3 +134,21 @@ class RandomStreams:
 
     def _accelerator(self):  # noqa: ANN202 - torch.cuda, torch.xpu...: the module of the device's generator
         return getattr(torch, self.device.type) if self.device is not None else torch
+
+
+def fork_forward(module: nn.Module, streams: RandomStreams, *dims: str) -> list[RemovableHandle]:
+    """Run every forward of ``module`` inside ``streams.fork(*dims)``: for a model all of whose activations are split
+    over those dims (a ``transformers`` model whose sequences the strategy cuts over ``cp``), so that its dropout masks
+    differ between the parts, as one device's differ between tokens. Returns the hooks' handles."""
+    active: list[AbstractContextManager[None]] = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        fork = streams.fork(*dims)
+        fork.__enter__()
+        active.append(fork)
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if active:
+            active.pop().__exit__(None, None, None)
+
+    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_ndclip import _compat
@@ -50,7 +51,7 @@ from lightning_ndclip.core.parallel.summary import ParallelSummary, summarize
 from lightning_ndclip.core.parallel.tensor_parallel import check_ties, tied_parameters
 from lightning_ndclip.core.parallel.unused import UnusedParameters
 from lightning_ndclip.core.pipeline import PipelineOptions
-from lightning_ndclip.core.random import RandomStreams
+from lightning_ndclip.core.random import RandomStreams, fork_forward
 from lightning_ndclip.lightning._checkpoint import (
     file_system_path,
     refuse_incomplete_checkpoint,
@@ -330,6 +331,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._streams_checked = False
         self._unused: UnusedParameters | None = None
         self._random_streams: RandomStreams | None = None
+        self._forked_forwards: list[RemovableHandle] = []
 
     def _transformers_model(self, module: pl.LightningModule) -> nn.Module:
         """The one ``transformers`` model in ``module`` that ``hf_checkpoint`` is loaded into."""
@@ -562,6 +564,9 @@ class NDParallelStrategy(ModelParallelStrategy):
             dist.broadcast_object_list(seed, src=0)
             self._random_streams = RandomStreams(self.meshes, seed[0], self.root_device)
             self._random_streams.seed_shared()
+            if self._cuts_sequences:  # every activation of the transformers models is this cp rank's tokens
+                for _, model in transformers_models(module):
+                    self._forked_forwards += fork_forward(model, self._random_streams, "cp")
 
     @override
     def teardown(self) -> None:
@@ -569,6 +574,9 @@ class NDParallelStrategy(ModelParallelStrategy):
         (so a model built after ``fit`` starts equal on every rank, as one built before it)."""
         if self._random_streams is not None:
             self._random_streams.restore()
+        for handle in self._forked_forwards:
+            handle.remove()
+        self._forked_forwards = []
         super().teardown()
 
     @property
