@@ -162,6 +162,22 @@ class Reference:
     weights: torch.Tensor
     expected: dict[str, torch.Tensor]
     tolerance: float
+    scale: torch.Tensor  # the largest entry of any expected gradient
+
+    def logits_error(self, logits: torch.Tensor) -> float:
+        """The largest error of parallel ``logits``, relative to the largest one-device logit."""
+        return float((logits - self.logits).abs().max() / self.logits.abs().max())
+
+    def gradient_error(self, name: str, grad: torch.Tensor | None) -> float:
+        """The largest error of parameter ``name``'s parallel gradient (``None``, or a name without a one-device
+        gradient: zeros), relative to its largest entry; a gradient that is 0 in exact arithmetic (a key bias: softmax
+        ignores it) is rounding noise on both sides, measured against 1e-3 of the largest gradient of the model."""
+        reference = self.expected.get(name)
+        if reference is None:
+            reference = torch.zeros_like(grad)
+        if grad is None:
+            grad = torch.zeros_like(reference)
+        return float((grad - reference).abs().max() / torch.maximum(reference.abs().max(), 1e-3 * self.scale))
 
 
 def one_device(family: str, architecture: str) -> Reference | tuple[str, str, float, float]:
@@ -178,7 +194,8 @@ def one_device(family: str, architecture: str) -> Reference | tuple[str, str, fl
         return "NOT BUILT", f"{type(error).__name__}: {str(error).splitlines()[0][:100] if str(error) else ''}", 0.0, 0.0
     expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    return Reference(model, input_ids, logits.detach(), weights, expected, _tolerance(model, float32_ops.found))
+    scale = max((g.abs().max() for g in expected.values()), default=torch.tensor(1.0))
+    return Reference(model, input_ids, logits.detach(), weights, expected, _tolerance(model, float32_ops.found), scale)
 
 
 def _one(family: str, architecture: str, cp: Any) -> tuple[str, str, float, float]:
@@ -186,28 +203,22 @@ def _one(family: str, architecture: str, cp: Any) -> tuple[str, str, float, floa
     ref = one_device(family, architecture)
     if not isinstance(ref, Reference):
         return ref
-    model, input_ids, logits, weights, expected, tolerance = (
-        ref.model, ref.input_ids, ref.logits, ref.weights, ref.expected, ref.tolerance
-    )  # fmt: skip
+    model, tolerance = ref.model, ref.tolerance
     try:
         context_parallelize(model, cp)
-        local, shard = shard_batch({"input_ids": input_ids}, cp)
+        local, shard = shard_batch({"input_ids": ref.input_ids}, cp)
         with shard.active():
             local_logits = model(**local).logits
     except Exception as error:
         if _ours(error):
             return "REFUSED", str(error), 0.0, tolerance
         return "CRASHED", f"{type(error).__name__}: {str(error)[:200]}", 0.0, tolerance
-    (local_logits * weights[:, shard.positions]).sum().backward()
-    errors = [float((shard.unshard(local_logits.detach()) - logits).abs().max() / logits.abs().max())]
-    scale = max((g.abs().max() for g in expected.values()), default=torch.tensor(1.0))
+    (local_logits * ref.weights[:, shard.positions]).sum().backward()
+    errors = [ref.logits_error(shard.unshard(local_logits.detach()))]
     for name, param in model.named_parameters():
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         dist.all_reduce(grad)
-        reference = expected.get(name, torch.zeros_like(param))
-        # relative to the largest entry; a gradient that is 0 in exact arithmetic (a key bias: softmax ignores it) is
-        # rounding noise on both sides, measured against 1e-3 of the largest gradient of the model
-        errors.append(float((grad - reference).abs().max() / torch.maximum(reference.abs().max(), 1e-3 * scale)))
+        errors.append(ref.gradient_error(name, grad))
     error = max(errors)
     names = ["logits", *(name for name, _ in model.named_parameters())]
     worst = names[errors.index(error)]

@@ -137,37 +137,23 @@ def _one(family: str, architecture: str) -> tuple[str, str, float, float]:
     ref = one_device(family, architecture)
     if not isinstance(ref, Reference):
         return ref
-    model, input_ids, logits, weights, expected, tolerance = (
-        ref.model, ref.input_ids, ref.logits, ref.weights, ref.expected, ref.tolerance
-    )  # fmt: skip
+    model, tolerance = ref.model, ref.tolerance
     try:
         meshes = ParallelDims(world_size=dist.get_world_size(), tp=2).build_mesh("cpu")
         parallelize(model, meshes, tp_plan="auto")
         with watch_split_activations(model, meshes["tp"]):  # as the strategy watches the first forward
-            tp_logits = _whole(model(input_ids=input_ids).logits)
+            tp_logits = _whole(model(input_ids=ref.input_ids).logits)
     except Exception as error:
         if _ours(error):
             return "REFUSED", str(error), 0.0, tolerance
         return "CRASH", f"{type(error).__name__}: {str(error)[:300]}", 0.0, tolerance
     try:
-        (tp_logits * weights).sum().backward()
+        (tp_logits * ref.weights).sum().backward()
         grads = {name: _whole(p.grad) for name, p in model.named_parameters() if p.grad is not None}
     except Exception as error:
         return "CRASH", f"backward: {type(error).__name__}: {str(error)[:300]}", 0.0, tolerance
-    names = ["logits"]
-    errors = [float((tp_logits.detach() - logits).abs().max() / logits.abs().max())]
-    scale = max((g.abs().max() for g in expected.values()), default=torch.tensor(1.0))
-    for name in dict.fromkeys([*expected, *grads]):
-        reference = expected.get(name)
-        grad = grads.get(name)
-        if reference is None:
-            reference = torch.zeros_like(grad)
-        if grad is None:
-            grad = torch.zeros_like(reference)
-        # relative to the largest entry; a gradient that is 0 in exact arithmetic is rounding noise on both sides,
-        # measured against 1e-3 of the largest gradient of the model (as in the cp sweep)
-        names.append(name)
-        errors.append(float((grad - reference).abs().max() / torch.maximum(reference.abs().max(), 1e-3 * scale)))
+    names = ["logits", *dict.fromkeys([*ref.expected, *grads])]
+    errors = [ref.logits_error(tp_logits.detach()), *(ref.gradient_error(name, grads.get(name)) for name in names[1:])]
     error = max(errors)
     if error < tolerance:
         return "EXACT", "", error, tolerance

@@ -40,6 +40,15 @@ class Block(nn.Module):
         return x + self.down(torch.tanh(self.up(x)))
 
 
+def token_batches(vocab: int = V) -> torch.utils.data.DataLoader:
+    """16 rows of 6 token ids and their labels (some ignored: uneven token counts), 2 rows a batch."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (16, 6), generator=g)
+    labels = torch.randint(0, vocab, (16, 6), generator=g)
+    labels[torch.rand(16, 6, generator=g) < 0.4] = -100  # uneven token counts
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens, labels), batch_size=2)
+
+
 class LM(L.LightningModule):
     def __init__(self, tied: bool = False, fused: bool = False, tokens: bool = True, configure=None) -> None:
         super().__init__()
@@ -63,11 +72,7 @@ class LM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, V, (16, 6), generator=g)
-        labels = torch.randint(0, V, (16, 6), generator=g)
-        labels[torch.rand(16, 6, generator=g) < 0.4] = -100  # uneven token counts
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens, labels), batch_size=2)
+        return token_batches()
 
 
 class CountingLM(LM):

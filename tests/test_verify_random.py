@@ -19,6 +19,7 @@ import torch.distributed as dist
 from harness import run_on_ranks
 from helpers import use_existing_process_group
 from lightning.pytorch.strategies import ModelParallelStrategy
+from test_verify import token_batches
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -93,11 +94,7 @@ class DropLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, V, (16, 6), generator=g)
-        labels = torch.randint(0, V, (16, 6), generator=g)
-        labels[torch.rand(16, 6, generator=g) < 0.4] = -100  # uneven token counts
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens, labels), batch_size=2)
+        return token_batches(V)
 
 
 TP_PLAN = {"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()}
