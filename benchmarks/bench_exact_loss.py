@@ -1,9 +1,10 @@
 """Benchmark: what the exact global token mean costs in a training step (CPU, gloo).
 
 ``NDParallelStrategy(loss_normalization="token_mean")`` adds to a step: per accumulation window, the
-LightningModule's ``count_tokens`` on each micro-batch and one all-reduce of the window's counts;
+LightningModule's ``count_tokens`` on each micro-batch of the next window and one all-reduce of its
+counts, issued after this window's last forward and waited for before the next window's first one;
 per micro-batch, its loss share (a few scalar ops); per window, one all-reduce of the window's loss
-to log its exact mean (``log_loss``). This script times those three segments inside the steps of
+to log its exact mean (``log_loss``). This script times those four segments inside the steps of
 one fit, by wrapping the strategy's methods that do them, so their share of the step is measured
 on the same steps (a shared 2-core machine varies by 10-30 % from fit to fit); and it times the
 whole step with and without ``loss_normalization``, fits interleaved A/B/A/B.
@@ -33,8 +34,9 @@ from bench_step import BATCH_PER_DP_RANK, SEQ, NullLogger, StepModel, StepTimer
 from lightning_ndclip import GlobalNormClip, NDParallelStrategy
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SEGMENTS = {  # the strategy's methods that do the exact mean's work, and what they do
-    "_micro_batch_share": "counts: count_tokens and the window's count all-reduce",
+SEGMENTS = {  # the strategy's (and its loss windows') methods that do the exact mean's work, and what they do
+    "read_next_window": "counts issued: the next window read, its count_tokens, its count all-reduce issued",
+    "_micro_batch_share": "counts waited: for the window's count all-reduce, issued during the step before",
     "_normalized": "share: the loss scaled to its share of the global mean",
     "_log_window_loss": "logged loss: the window loss's all-reduce and self.log",
 }
@@ -51,6 +53,11 @@ class SegmentSteps(L.Callback):
     def __init__(self, warmup: int, spent: dict[str, list[float]]) -> None:
         self.warmup, self.spent = warmup, spent
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        windows = getattr(trainer.strategy, "_windows", None)  # the loss windows, made with the train dataloader
+        if windows is not None:
+            time_method(windows, "read_next_window", self.spent)
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx >= self.warmup:
             for times in self.spent.values():
@@ -64,7 +71,8 @@ def run_fit(normalized: bool, args) -> dict:
     spent: dict[str, list[float]] = {name: [] for name in SEGMENTS}
     if normalized:
         for name in SEGMENTS:
-            time_method(strategy, name, spent)
+            if hasattr(strategy, name):
+                time_method(strategy, name, spent)
     timer = StepTimer(args.warmup)
     trainer = L.Trainer(
         accelerator="cpu", devices=args.world_size, strategy=strategy, logger=NullLogger(), log_every_n_steps=1,
@@ -102,16 +110,21 @@ def worker(rank: int, args, port: int, out_json: str) -> None:
 def write_markdown(data: dict, path: Path) -> None:
     a, rows = data["args"], data["rows"]
     lines = [
-        f"# The exact token mean's cost in a step, {data['world_size']} ranks (CPU, gloo, 1 thread per rank)", "",
-        (f"`bench_step.py`'s model ({a['layers']} blocks, FSDP2 over {data['world_size']} ranks, AdamW, batch "
-         f"{BATCH_PER_DP_RANK} x {SEQ} tokens per rank, no accumulation) with `GlobalNormClip(1.0)`; median over "
-         f"{a['steps']} steps after {a['warmup']} warm-up steps. Segments: the least any rank spent per step, "
-         "median over steps, timed inside the `token_mean` fit; steps: the max over ranks of the per-rank "
-         "medians, fits interleaved."), "",
-        *(f"* **{name.strip('_').replace('_', ' ')}**: {what}" for name, what in SEGMENTS.items()), "",
-        "| run | step ms, `None` | step ms, `token_mean` | counts ms | share ms | logged loss ms | all three ms | "
-        "all three / step |",
-        "|---|---|---|---|---|---|---|---|",
+        f"# The exact token mean's cost in a step, {data['world_size']} ranks (CPU, gloo, 1 thread per rank)",
+        "",
+        (
+            f"`bench_step.py`'s model ({a['layers']} blocks, FSDP2 over {data['world_size']} ranks, AdamW, batch "
+            f"{BATCH_PER_DP_RANK} x {SEQ} tokens per rank, no accumulation) with `GlobalNormClip(1.0)`; median over "
+            f"{a['steps']} steps after {a['warmup']} warm-up steps. Segments: the least any rank spent per step, "
+            "median over steps, timed inside the `token_mean` fit; steps: the max over ranks of the per-rank "
+            "medians, fits interleaved."
+        ),
+        "",
+        *(f"* **{name.strip('_').replace('_', ' ')}**: {what}" for name, what in SEGMENTS.items()),
+        "",
+        "| run | step ms, `None` | step ms, `token_mean` | counts issued ms | counts waited ms | share ms | "
+        "logged loss ms | all four ms | all four / step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         total = sum(r[name] for name in SEGMENTS)

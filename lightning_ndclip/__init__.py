@@ -14,6 +14,7 @@ from lightning_ndclip.core.context.ring_attention import ring_attention
 from lightning_ndclip.core.experts import Experts, MoE, shard_experts
 from lightning_ndclip.core.load_balance import LoadBalance, load_balance, load_balancing_loss
 from lightning_ndclip.core.loss import (
+    PendingTokenCount,
     SampleWeights,
     TokenCount,
     count_valid_tokens,
@@ -101,6 +102,7 @@ __all__ = [
     "ParallelSummary",
     "PipelineOptions",
     "RandomStreams",
+    "PendingTokenCount",
     "SampleWeights",
     "TokenCount",
     "VerifyOneDevice",

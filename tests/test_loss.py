@@ -149,6 +149,25 @@ def test_edge_cases_give_zero_not_nan():
     assert r0["weights"] == [[[0.5, 0.0, 0.0], [0.0, 0.0, 0.0]], [[0.0, 0.0, 0.0]]]
 
 
+def _pending_case() -> dict:
+    rank = dist.get_rank()
+    pending = sync_token_count([torch.tensor(3 + rank), 2], async_op=True)
+    assert not hasattr(pending, "total"), "a count in flight has no value to read"
+    bad = sync_token_count([torch.tensor(-1 if rank == 1 else 1)], async_op=True)  # the all-reduce is issued: no raise
+    count = pending.wait()
+    try:
+        bad.wait()
+    except ValueError as error:
+        raised = str(error)
+    return {"total": int(count.total), "again": pending.wait() is count, "raised": raised}
+
+
+def test_a_count_issued_early_is_the_same_count_and_raises_on_every_rank_when_waited_for():
+    for r in run_on_ranks(2, _pending_case):
+        assert r["total"] == 3 + 4 + 2 * 2 and r["again"]
+        assert r["raised"].startswith("rank 1: token counts must be finite non-negative integers"), r["raised"]
+
+
 def _ddp_case(use_hook: bool) -> float:
     from torch.nn.parallel import DistributedDataParallel
 

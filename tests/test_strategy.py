@@ -221,13 +221,13 @@ def test_the_per_rank_mean_without_the_strategy_or_taken_for_a_sum_is_detectably
 
 
 class _BadCountModule(_TokenModule):
-    def __init__(self, bad) -> None:
+    def __init__(self, bad, window: int = 0) -> None:
         super().__init__()
-        self.bad, self.calls = bad, 0
+        self.bad, self.calls, self.window = bad, 0, window
 
     def count_tokens(self, batch) -> torch.Tensor:
         self.calls += 1
-        if self.trainer.global_rank == 1 and self.calls == 2:  # rank 1, micro-batch 1 of the first window
+        if self.trainer.global_rank == 1 and self.calls == 2 + self.window * ACCUMULATE:  # rank 1, micro-batch 1
             if self.bad == "raise":
                 raise KeyError("labels")
             if self.bad in ("meta", "none"):
@@ -236,12 +236,13 @@ class _BadCountModule(_TokenModule):
         return super().count_tokens(batch)
 
 
-def _bad_count_case(bad) -> str:
+def _bad_count_case(bad, window: int = 0) -> str:
     use_existing_process_group()
     trainer = _trainer(NDParallelStrategy(dp_shard=2, loss_normalization="token_mean"), devices=2, logger=False,
                        accumulate_grad_batches=ACCUMULATE)
     with pytest.raises(ValueError) as info:
-        trainer.fit(_BadCountModule(bad))
+        trainer.fit(_BadCountModule(bad, window))
+    assert trainer.global_step == window, "raised before the bad window's first forward, after the steps before it"
     return str(info.value)
 
 
@@ -268,6 +269,14 @@ def test_count_tokens_failing_on_one_rank_raises_the_same_error_on_every_rank(ba
     connection; now the count's all-reduce carries the failure and every rank raises the same error."""
     messages = run_on_ranks(2, _bad_count_case, bad, timeout=60)
     assert messages[0] == messages[1] and messages[0].startswith(f"rank 1: {expected}"), messages
+
+
+@pytest.mark.faults
+def test_a_count_failing_in_a_window_read_ahead_raises_on_every_rank_before_its_forward():
+    """The second window's counts are read and their all-reduce issued during the first step (after its last
+    forward); the failure is raised when the second window starts, on every rank, before any forward of it."""
+    messages = run_on_ranks(2, _bad_count_case, "raise", 1, timeout=60)
+    assert messages[0] == messages[1] and messages[0].startswith("rank 1: count_tokens(batch) of micro-batch 1 raised"), messages
 
 
 class _DictWithoutLoss(_TokenModule):
@@ -673,7 +682,8 @@ def _all_reduces_per_step_case() -> list[int]:
 
 
 def test_the_steady_state_has_three_all_reduces_per_step():
-    """The window's counts (carrying every rank's problem flag), the logged loss, the norm: the agreement on hook
-    errors adds no collective (the norm plan's first exchange is an all_gather_object, not counted here)."""
+    """The next window's counts (carrying every rank's problem flag; issued after this window's last forward), the
+    logged loss, the norm: the agreement on hook errors adds no collective (the norm plan's first exchange is an
+    all_gather_object, not counted here). The epoch's last step reads no next window."""
     for per_step in run_on_ranks(2, _all_reduces_per_step_case):
-        assert per_step[1:] == [3, 3, 3], per_step  # the first step also holds Lightning's setup (loader lengths)
+        assert per_step[1:] == [3, 3, 2], per_step  # the first step also holds Lightning's setup (loader lengths)

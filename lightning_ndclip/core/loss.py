@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from lightning_ndclip.core.agree import host_reads_are_free, raise_agreed
 __all__ = [
     "MicroBatchShare",
     "SampleWeights",
+    "PendingTokenCount",
     "TokenCount",
     "count_valid_tokens",
     "loss_share",
@@ -47,10 +49,11 @@ IGNORE_INDEX = -100
 """Label value of tokens that do not count (as in ``torch.nn.functional.cross_entropy``)."""
 
 
-def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, *, async_op: bool = False) -> dist.Work | None:
+    """Sum ``t`` over ``group`` in place; with ``async_op``, the collective's work to wait for (``None``: nothing to do)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return None
 
 
 def _no_count(group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -98,12 +101,33 @@ def _invalid_count_message(counts: Sequence[torch.Tensor]) -> str | None:
     return f"token counts must be finite non-negative integers, got {', '.join(mine)}" if mine else None
 
 
+@overload
 def sync_token_count(
     local_counts: torch.Tensor | int | Sequence[torch.Tensor | int],
     group: dist.ProcessGroup | None = None,
     *,
     problem: str | None = None,
-) -> TokenCount:
+    async_op: Literal[False] = False,
+) -> TokenCount: ...
+
+
+@overload
+def sync_token_count(
+    local_counts: torch.Tensor | int | Sequence[torch.Tensor | int],
+    group: dist.ProcessGroup | None = None,
+    *,
+    problem: str | None = None,
+    async_op: Literal[True],
+) -> PendingTokenCount: ...
+
+
+def sync_token_count(
+    local_counts: torch.Tensor | int | Sequence[torch.Tensor | int],
+    group: dist.ProcessGroup | None = None,
+    *,
+    problem: str | None = None,
+    async_op: bool = False,
+) -> TokenCount | PendingTokenCount:
     """Sum the valid-token counts of this rank's micro-batches over ``group``: one all-reduce.
 
     Every count must be a finite, non-negative integer (an integer tensor, or a float one holding
@@ -121,15 +145,51 @@ def sync_token_count(
         group: every rank whose tokens enter the mean: the data-parallel *and* context-parallel
             ranks (not tp or pp peers, which see the same tokens). Default: the world.
         problem: why this rank has no usable counts (its ``local_counts`` are then placeholders).
+        async_op: issue the all-reduce and return at once a :class:`PendingTokenCount`, whose
+            :meth:`~PendingTokenCount.wait` gives the :class:`TokenCount` (and raises for bad counts):
+            the collective overlaps whatever runs in between (the strategy: the previous step's backward
+            and optimizer step).
     """
     given = [local_counts] if isinstance(local_counts, (torch.Tensor, int)) else list(local_counts)
     counts = [torch.as_tensor(c).detach() for c in given] or [_no_count(group)]
     invalid = _invalid_counts(counts) + int(problem is not None)
     total = torch.stack([c.to(torch.int64).sum() for c in counts]).sum()
-    total, invalid = _all_reduce(torch.stack([total, invalid.to(total.device)]), group).unbind()
-    if host_reads_are_free(total.device) and int(invalid):  # the message is made only for a failure
-        raise_agreed(invalid, problem or _invalid_count_message(counts), group)
-    return TokenCount(total=total, empty=total == 0, invalid=invalid)
+    buffer = torch.stack([total, invalid.to(total.device)])
+    pending = PendingTokenCount(buffer, _all_reduce(buffer, group, async_op=async_op), counts, problem, group)
+    return pending if async_op else pending.wait()
+
+
+class PendingTokenCount:
+    """A token count whose all-reduce is in flight (:func:`sync_token_count` with ``async_op=True``).
+
+    It holds no value: the count exists only as :meth:`wait`'s result, so nothing can read a sum the
+    collective has not written yet. Issue the next optimizer step's counts early (e.g. before this step's
+    backward) and wait before its first forward: every rank raises there alike for bad counts, before any
+    collective of the forward. On accelerators :meth:`wait` makes the current stream wait, not the host.
+    """
+
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        work: dist.Work | None,
+        counts: list[torch.Tensor],
+        problem: str | None,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self._buffer, self._work, self._counts, self._problem, self._group = buffer, work, counts, problem, group
+        self._count: TokenCount | None = None
+
+    def wait(self) -> TokenCount:
+        """The summed :class:`TokenCount` once the all-reduce is done; raises on every rank for bad counts
+        where host reads are free (see :func:`sync_token_count`). Later calls return the same count."""
+        if self._count is None:
+            if self._work is not None:
+                self._work.wait()
+            total, invalid = self._buffer.unbind()
+            if host_reads_are_free(total.device) and int(invalid):  # the message is made only for a failure
+                raise_agreed(invalid, self._problem or _invalid_count_message(self._counts), self._group)
+            self._count = TokenCount(total=total, empty=total == 0, invalid=invalid)
+        return self._count
 
 
 def loss_share(
@@ -337,9 +397,7 @@ def sync_sample_weights(
     if len(sample_ids) != len(num_samples):
         raise ValueError(f"{len(sample_ids)} sample_ids tensors but {len(num_samples)} num_samples")
     sample_ids = [ids.to(torch.int64) for ids in sample_ids]
-    masks = [
-        (ids >= 0) if valid is None else (ids >= 0) & valid[m].to(torch.bool) for m, ids in enumerate(sample_ids)
-    ]
+    masks = [(ids >= 0) if valid is None else (ids >= 0) & valid[m].to(torch.bool) for m, ids in enumerate(sample_ids)]
     # per micro-batch: the valid tokens of each of its samples, then those whose id is >= num_samples
     binned = [_bin_tokens(ids, mask, n) for ids, mask, n in zip(sample_ids, masks, num_samples)]
     counts = torch.cat([*binned, torch.tensor([int(problem is not None)], device=binned[0].device if binned else None)])
@@ -352,7 +410,9 @@ def sync_sample_weights(
     first_cp_rank = cp_group is None or dist.get_rank(cp_group) == 0
     local_samples = present if first_cp_rank else torch.zeros_like(present)
     out_of_range = sum((c[-1] for c in per_micro_batch), failed)
-    total_samples, out_of_range = _all_reduce(torch.stack([present, out_of_range]), dp_group).unbind()
+    summed = torch.stack([present, out_of_range])
+    _all_reduce(summed, dp_group)
+    total_samples, out_of_range = summed.unbind()
     # elsewhere, reading the flag would sync: the weights become nan; the message is made only for a failure
     if host_reads_are_free(counts.device) and int(out_of_range):
         message = problem or _out_of_range_message(binned, num_samples)

@@ -5,14 +5,16 @@ micro-batch of the step before the first backward. :class:`LossWindows` wraps th
 dataloader: when ``training_step`` reaches a window's first batch, it reads the window's other
 batches ahead, synchronizes its counts over the loss dims (one all-reduce for tokens, two for
 samples), and then yields the batches one by one, remembering each batch's
-:class:`~lightning_ndclip.core.loss.MicroBatchShare`.
+:class:`~lightning_ndclip.core.loss.MicroBatchShare`. After a window's last forward the strategy has the next
+window read (:meth:`LossWindows.read_next_window`): its token count's all-reduce then runs during this step's
+backward and optimizer step, and is waited for before the next window's first forward.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from functools import partial
 from itertools import islice
 from typing import TYPE_CHECKING, Any
@@ -64,6 +66,7 @@ class LossWindows:
         self._ahead: deque[Any] = deque()  # batches read for a window, not yet yielded
         self._next_read = 0  # the batch_idx of the next batch read from the loader
         self._window = (0, 0)  # the last window decided: [start, end) batch_idx
+        self._issued: _Issued | None = None  # a decided window whose counts' all-reduce is in flight
         self._restored_behind: int | None = None  # a restored loader's batches Lightning already consumed
         self.first_window: tuple[torch.Tensor, str, int] | None = None  # (count, "tokens"/"samples", micro-batches)
 
@@ -78,6 +81,11 @@ class LossWindows:
         first batch, decides the window: reads its other batches and syncs the counts."""
         if batch_idx not in self._windows and batch_idx == self._window[1]:
             self._decide_window(batch_idx)
+        if self._issued is not None and batch_idx == self._issued.start:  # wait for its counts: raise alike, if at all
+            issued, self._issued = self._issued, None
+            for position, share in enumerate(issued.shares()):
+                last = position == issued.size - 1
+                self._windows[issued.start + position] = replace(share, ends_window=last, micro_batches=issued.size)
         try:
             return self._windows.pop(batch_idx)
         except KeyError:
@@ -90,14 +98,20 @@ class LossWindows:
     def _decide_window(self, start: int) -> None:
         every, limit = self._trainer.accumulate_grad_batches, self._trainer.num_training_batches
         end = int(min(start + every - start % every, limit))
-        while self._next_read < end and self._read_batch(snapshot=False):
+        while self._next_read < end and self._read_batch(snapshot=self._next_read == start):  # read ahead of Lightning
             self._ahead.append(self._unwindowed[self._next_read - 1])
         end = min(end, self._next_read)
         window = [self._unwindowed.pop(i) for i in range(start, end)]
-        for position, share in enumerate(self._shares(window)):
-            self._windows[start + position] = replace(share, ends_window=start + position == end - 1, micro_batches=end - start)
+        self._issued = _Issued(start, len(window), self._shares(window))
         self._window = (start, end)
         self._forget_before(start)
+
+    def read_next_window(self) -> None:
+        """Decide the window after the last one decided, now: read its batches and issue its counts' all-reduce,
+        which then overlaps the rest of this optimizer step. Call after a window's last forward; nothing at the
+        epoch's end (the next epoch may accumulate differently)."""
+        if self._issued is None and self._window[1] < self._trainer.num_training_batches:
+            self._decide_window(self._window[1])
 
     def _read_batch(self, snapshot: bool) -> bool:
         """Read the loader's next batch into ``_unwindowed``; ``False`` at its end. ``snapshot``: the batch
@@ -117,8 +131,9 @@ class LossWindows:
     def _forget_before(self, batch_idx: int) -> None:
         """Called once a window starting at ``batch_idx`` is decided: Lightning is past the earlier ones."""
 
-    def _shares(self, window: list[Any]) -> list[MicroBatchShare]:
-        """The window's batches' shares (``ends_window`` left to the caller). The LightningModule's hooks run through
+    def _shares(self, window: list[Any]) -> Callable[[], list[MicroBatchShare]]:
+        """What gives the window's batches' shares (``ends_window`` left to the caller): the token count's all-reduce
+        is issued here and waited for when that is called. The LightningModule's hooks run through
         :func:`~lightning_ndclip.core.agree.call_hook`: an exception or an unusable value on any rank
         becomes the same error on every rank of the count's all-reduce, which carries the flag."""
         module: Any = self._strategy.lightning_module  # a LightningModule with the hooks of its normalization
@@ -132,12 +147,17 @@ class LossWindows:
                 counts.append(torch.zeros((), dtype=torch.int64, device=device) if count is None else count)
                 problems += [problem] if problem else []
             # summed over the batch dims only: the ranks of a cp group read the same raw batch
-            total = sync_token_count(counts, group=meshes["dp"].get_group(), problem="; ".join(problems) or None)
-            if self.first_window is None:
-                self.first_window = (total.total, "tokens", len(window))
-            # under cp the raw micro-batch's count: the strategy weighs only a loss that is a part of its mean by it
-            reduction = self._strategy.loss_reduction
-            return [MicroBatchShare(total, local_tokens=local, reduction=reduction) for local in counts]
+            pending = sync_token_count(counts, group=meshes["dp"].get_group(), problem="; ".join(problems) or None, async_op=True)
+            reduction, size = self._strategy.loss_reduction, len(window)
+
+            def shares() -> list[MicroBatchShare]:
+                total = pending.wait()
+                if self.first_window is None:
+                    self.first_window = (total.total, "tokens", size)
+                # under cp the raw micro-batch's count: the strategy weighs only a loss that is a part of its mean by it
+                return [MicroBatchShare(total, local_tokens=local, reduction=reduction) for local in counts]
+
+            return shares
         described = []
         for m, batch in enumerate(window):
             ids, problem = call_hook(
@@ -156,13 +176,14 @@ class LossWindows:
         )
         if self.first_window is None:
             self.first_window = (weights.num_samples, "samples", len(window))
-        return [MicroBatchShare(w) for w in weights.weights]
+        return lambda: [MicroBatchShare(w) for w in weights.weights]
 
     def __iter__(self) -> Iterator[Any]:
         limit = self._trainer.num_training_batches
         self._windows.clear()
         self._unwindowed.clear()
         self._ahead.clear()
+        self._issued = None
         self._source = iter(self.dataloader)
         # this body runs at the epoch's first fetch, after Lightning restored (on resume) or reset its
         # progress: the batch_idx Lightning gives the next batch, > 0 when resumed mid-epoch
@@ -181,6 +202,16 @@ class LossWindows:
 
 
 _END = object()
+
+
+@dataclass(frozen=True)
+class _Issued:
+    """A window read, its counts issued, not yet waited for: its first batch_idx, its number of batches, and what
+    gives their shares (waiting for the counts)."""
+
+    start: int
+    size: int
+    shares: Callable[[], list[MicroBatchShare]]
 
 
 def as_count(value: Any, device: torch.device) -> torch.Tensor:

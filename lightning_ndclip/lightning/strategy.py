@@ -715,6 +715,8 @@ class NDParallelStrategy(ModelParallelStrategy):
         k = self._module.trainer.accumulate_grad_batches
         output = self._normalized(output, share, k, own_losses)
         self._log_window_loss(output, k, share.ends_window)
+        if share.ends_window:  # the next window's counts: their all-reduce overlaps this backward and optimizer step
+            self._windows.read_next_window()
         return output
 
     def _check_random_streams(self) -> None:
@@ -782,6 +784,8 @@ class NDParallelStrategy(ModelParallelStrategy):
                 pipeline.window_complete()
         if self._windows is not None:
             self._log_window_loss(output, 1, share.ends_window)
+            if share.ends_window:
+                self._windows.read_next_window()
         return output
 
     def _normalized(self, output: Any, share: MicroBatchShare, k: int, own_losses: list[torch.Tensor]) -> Any:
