@@ -25,6 +25,7 @@ from itertools import repeat
 from typing import Generic, TypeVar, cast
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_ndclip._compat import dtensor_spec
@@ -97,10 +98,12 @@ def layout_key(tensors: Sequence[torch.Tensor]) -> tuple:
 @dataclass
 class PlanEntry:
     """A layout's agreed plan, with what is derived from it once: the FSDP2 padding after each local
-    piece (see :mod:`lightning_ndclip.core.norm._runs`), the run finder, and small device constants."""
+    piece (see :mod:`lightning_ndclip.core.norm._runs`), the mesh the total is returned replicated on,
+    the run finder, and small device constants."""
 
     plan: NormPlan
     padding: tuple[int, ...]
+    mesh: DeviceMesh | None = None  # of the first DTensor among the tensors: the total's replica mesh
     finder: RunFinder = field(default_factory=RunFinder)
     constants: dict = field(default_factory=dict)
 
