@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PRIVATE_NAMES",
     "StridedShard",
+    "AsyncCollectiveTensor",
     "all_to_all_autograd",
     "applies_grad_scale",
     "batches_that_stepped",
@@ -42,6 +43,7 @@ __all__ = [
     "concatenate_meshes",
     "device_has_foreach_support",
     "disable_torch_function_subclass",
+    "dynamo_counters",
     "dtensor_spec",
     "flatten_mesh",
     "foreach_mul_",
@@ -76,6 +78,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "local_tensors": ("torch.distributed.tensor:DTensor._local_tensor",),
     "dtensor_spec": ("torch.distributed.tensor:DTensor._spec",),
     "StridedShard": ("torch.distributed.tensor.placement_types:_StridedShard",),
+    "AsyncCollectiveTensor": ("torch.distributed._functional_collectives:AsyncCollectiveTensor",),
     "view_base": ("torch:Tensor._base",),
     "fsdp_unsharded_parameters": (
         "torch.distributed.fsdp:FSDPModule._get_fsdp_state",
@@ -87,6 +90,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "device_has_foreach_support": ("torch.utils._foreach_utils:_device_has_foreach_support",),
     "group_by_device_and_dtype": ("torch.utils._foreach_utils:_group_tensors_by_device_and_dtype",),
     "disable_torch_function_subclass": ("torch._C:DisableTorchFunctionSubclass",),
+    "dynamo_counters": ("torch._dynamo.utils:counters",),
     "tree_leaves": ("torch.utils._pytree:tree_leaves",),
     "checkpoint_wrapper": ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper:checkpoint_wrapper",),
     "flatten_mesh": ("torch.distributed.device_mesh:DeviceMesh._flatten",),
@@ -148,6 +152,11 @@ StridedShard = _StridedShard
 """The placement FSDP2 x TP gives a dim sharded by two mesh dims (reason: not exported publicly;
 it must count as ``Shard``, not as an unknown placement)."""
 
+AsyncCollectiveTensor = _functional_collectives.AsyncCollectiveTensor
+"""What a tensor-parallel style returns when its output's collective is still pending (``to_local()`` after a
+redistribute: a rowwise layer's sum, a vocab-split embedding's) (reason: compiled code given one as input returns
+no gradient for it, torch 2.14, so the output hook waits for it; its class is exported only privately)."""
+
 view_base: Callable[[torch.Tensor], torch.Tensor | None] = operator.attrgetter("_base")
 """The tensor a view was made from, e.g. FSDP2's flat gradient buffer (reason: no public API returns
 it; ``untyped_storage()`` gives bytes, not a tensor with a dtype and an address to compare)."""
@@ -156,6 +165,16 @@ unsafe_view: Callable[[torch.Tensor, Sequence[int]], torch.Tensor] = torch.ops.a
 """A reshape that autograd does not record as a view (reason: how ``torch.matmul`` returns its 3-D
 result; a ``Linear`` with a bias returns a view of its 2-D ``addmm`` result instead, which FSDP2
 warns about for a unit's output, and no public op turns a view into a tensor without copying)."""
+
+
+def dynamo_counters() -> Any:
+    """``torch.compile``'s counters: ``["graph_break"]`` (reason -> count), ``["stats"]["unique_graphs"]`` (reason:
+    the one place Dynamo counts graph breaks; ``fullgraph=True`` raises at the first only, and the test suite counts
+    them, none of them ours, in compiled blocks). Imported when called: ``torch._dynamo`` is slow to import."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
 
 def fsdp_unsharded_parameters(unit: Any) -> list[torch.nn.Parameter | None]:
     """The unsharded parameter of each parameter the FSDP2 unit ``unit`` manages (``None`` before its first

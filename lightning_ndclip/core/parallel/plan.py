@@ -17,7 +17,13 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_ndclip._compat import checkpoint_wrapper, concatenate_meshes
 from lightning_ndclip.core.parallel.mesh import ParallelMeshes
-from lightning_ndclip.core.parallel.tensor_parallel import matches_plan_key, output_not_a_view, tensor_parallelize
+from lightning_ndclip.core.parallel.tensor_parallel import (
+    COMPILED,
+    matches_plan_key,
+    output_not_a_view,
+    resolved_plan,
+    tensor_parallelize,
+)
 
 __all__ = ["ParallelPlan", "check_plan_sizes", "parallelize"]
 
@@ -31,13 +37,44 @@ def check_plan_sizes(tp_plan: Mapping[str, ParallelStyle] | Literal["auto"] | No
         )
 
 
-def _replace_children(module: nn.Module, classes: tuple[type[nn.Module], ...]) -> None:
-    """Wrap every submodule of one of ``classes`` in an activation-checkpoint wrapper."""
+def _replace_children(module: nn.Module, classes: tuple[type[nn.Module], ...]) -> dict[nn.Module, nn.Module]:
+    """Wrap every submodule of one of ``classes`` in an activation-checkpoint wrapper; return the wrappers, by the
+    module each wraps."""
+    wrappers: dict[nn.Module, nn.Module] = {}
     for name, child in module.named_children():
         if isinstance(child, classes):
-            setattr(module, name, checkpoint_wrapper(child))
+            wrappers[child] = checkpoint_wrapper(child)
+            setattr(module, name, wrappers[child])
         else:
-            _replace_children(child, classes)
+            wrappers.update(_replace_children(child, classes))
+    return wrappers
+
+
+def _check_not_compiled(module: nn.Module, classes: Sequence[type[nn.Module]], compile: bool) -> None:
+    """Raise, naming it, if a module of ``classes`` (to checkpoint) or, with ``compile``, of the ``fsdp_units`` ones
+    is held by a ``torch.compile`` wrapper (compiled before the plan): the wrapper would go on calling it without
+    its checkpoint; compiled once more, it would be compiled twice."""
+    for name, child in module.named_modules():
+        if name.rpartition(".")[2] == COMPILED and isinstance(child, tuple(classes)):
+            what = "compile" if compile else "activation_checkpointing"
+            raise ValueError(
+                f"{what}: {name} ({type(child).__name__}) was compiled before the plan was applied (torch.compile(block) "
+                "wraps it): compile after the plan, once: ParallelPlan(compile=True) (each fsdp_units module, once "
+                "parallelized), or block.compile(fullgraph=True) after parallelize(), instead of torch.compile(block)"
+            )
+
+
+def _fullgraph(compile: bool | Mapping[str, Any]) -> bool:
+    """Whether ``compile`` (:func:`parallelize`'s argument) compiles each block as one graph."""
+    return compile if isinstance(compile, bool) else bool(compile.get("fullgraph", True))
+
+
+def _compile_units(units: Sequence[nn.Module], options: Mapping[str, Any]) -> None:
+    """``unit.compile(fullgraph=True, **options)`` for each FSDP2 unit: in place (its names and state dict keys stay),
+    its own hooks (FSDP2's) outside the compiled code, its submodules' (tensor parallelism) and the activation
+    checkpoint of a checkpointed unit (the unit is then its wrapper) inside."""
+    for unit in units:
+        unit.compile(**{"fullgraph": True, **options})
 
 
 def _check_classes(module: nn.Module, argument: str, classes: Sequence[type[nn.Module]]) -> None:
@@ -61,8 +98,10 @@ def parallelize(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     root_units: Sequence[nn.Module] | None = None,
+    compile: bool | Mapping[str, Any] = False,
 ) -> nn.Module:
-    """Apply tensor parallelism, activation checkpointing and FSDP2 to ``module``, in that order.
+    """Apply tensor parallelism, activation checkpointing and FSDP2 to ``module``, in that order, then compile
+    each ``fsdp_units`` module if asked.
 
     Args:
         module: the model (modified in place and returned).
@@ -85,17 +124,41 @@ def parallelize(
             unit's parameters in that unit's forward. A container without ``forward``
             (``nn.ModuleList``, ``nn.ModuleDict``: the nanoGPT habit, ``for block in self.blocks``)
             stands for its members, each a unit of its own.
+        compile: ``True``, or keyword arguments of ``torch.compile`` (``{"mode": "max-autotune"}``): each
+            module of the ``fsdp_units`` classes (the transformer blocks) is compiled, the torchtitan way,
+            after it is parallelized: ``block.compile(fullgraph=True, **compile)`` (``fullgraph=False`` may be
+            given), in place, so module names and checkpoint keys stay. FSDP2's hooks run outside the
+            compiled code; the tensor-parallel styles of its layers and its activation checkpoint inside,
+            without a graph break (a checkpointed block's FSDP2 unit is then its checkpoint wrapper, as in
+            torchtitan: FSDP2 hooks in compiled code would break its graph).
 
     Raises:
         ValueError: before changing ``module``, naming the argument and the entries, when an
             ``fsdp_units`` or ``activation_checkpointing`` class or a ``tp_plan`` key matches no
-            submodule, or a TP plan is given without a ``tp`` dim; after tensor parallelism, when
-            the plan shards the copies of a tied parameter differently (naming them).
+            submodule, or a TP plan is given without a ``tp`` dim, or ``compile`` without ``fsdp_units``,
+            or a module to checkpoint or to compile was compiled before (a ``torch.compile`` wrapper holds
+            it: compile after the plan), or ``compile`` asks for one graph per block with ``ep > 1``; after
+            tensor parallelism, when the plan shards the copies of a tied parameter differently (naming them).
     """
+    options = None if compile is False else {} if compile is True else dict(compile)  # None: no compile
+    if options is not None and not fsdp_units:
+        raise ValueError(
+            "compile compiles each module of the fsdp_units classes (the transformer blocks), and fsdp_units is "
+            "empty: name the block class in fsdp_units"
+        )
     _check_classes(module, "fsdp_units", fsdp_units)
     _check_classes(module, "activation_checkpointing", activation_checkpointing)
+    _check_not_compiled(module, activation_checkpointing, compile=False)
+    if options is not None:
+        _check_not_compiled(module, fsdp_units, compile=True)
     tp, ep, cp = meshes["tp"].size(), meshes["ep"].size(), meshes["cp"].size()
     check_plan_sizes(tp_plan, tp, ep, cp)
+    if ep > 1 and tp_plan == "auto" and _fullgraph(compile):
+        raise ValueError(
+            "compile with ep > 1: each block's experts are an FSDP2 unit of their own (hooks Dynamo does not trace) "
+            "and exchange their tokens in sizes read on the host, so a block is no single graph; give "
+            "compile={'fullgraph': False} (graph breaks there), or leave compile off"
+        )
     experts: dict[str, nn.Module] = {}
     if tp_plan == "auto":
         from lightning_ndclip.core.parallel import hf  # needs transformers only when asked for
@@ -114,15 +177,15 @@ def parallelize(
 
         if ep > 1:  # whole experts over ep, each split over tp along its width when tp > 1
             ep_plan = hf.hf_ep_plan(module)
-            parallelize_module(module, meshes["ep"] if tp == 1 else concatenate_meshes([meshes["ep"], meshes["tp"]]), ep_plan)
+            ep_mesh = meshes["ep"] if tp == 1 else concatenate_meshes([meshes["ep"], meshes["tp"]])
+            parallelize_module(module, ep_mesh, resolved_plan(module, ep_plan))
             experts = {n: m for n, m in module.named_modules() if any(matches_plan_key(n, key) for key in ep_plan)}
         tp_plan = hf.hf_tp_plan(module, tp=tp) if tp > 1 else None
         if tp_plan and experts:  # the experts' own tp entries: applied with ep above
             tp_plan = {key: style for key, style in tp_plan.items() if not any(matches_plan_key(n, key) for n in experts)}
     if tp_plan:
         tensor_parallelize(module, meshes["tp"], tp_plan)
-    if activation_checkpointing:
-        _replace_children(module, tuple(activation_checkpointing))
+    wrappers = _replace_children(module, tuple(activation_checkpointing)) if activation_checkpointing else {}
     fsdp_kwargs: dict[str, Any] = {"mesh": meshes["fsdp"]}
     if mp_policy is not None:
         fsdp_kwargs["mp_policy"] = mp_policy
@@ -130,6 +193,8 @@ def parallelize(
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **{**fsdp_kwargs, "mesh": meshes["edp"]})
     units = tuple(fsdp_units)
     matched = [m for m in module.modules() if units and isinstance(m, units) and m is not module]
+    if options is not None:  # a checkpointed unit's wrapper is the unit, compiled with the checkpoint inside (torchtitan's order)
+        matched = [wrappers.get(m, m) for m in matched]
     for unit in matched:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **fsdp_kwargs)
     roots = _callable_units([module] if root_units is None else root_units)
@@ -146,6 +211,8 @@ def parallelize(
         fully_shard(root, **fsdp_kwargs)
         if isinstance(root, nn.Sequential):
             _SequentialCalled(root, next((n for n, m in module.named_modules() if m is root), "") or "the module")
+    if options is not None:
+        _compile_units(matched, options)
     return module
 
 
@@ -240,6 +307,11 @@ class ParallelPlan:
     """With ``tp_plan="auto"`` and ``cp > 1``: how the ``transformers`` models' attention sees the other cp ranks'
     keys and values (:func:`~lightning_ndclip.core.context.attention.context_parallel_attention`); the strategy
     reads it when it cuts each batch (:func:`~lightning_ndclip.core.parallel.hf_context.shard_batch`)."""
+    compile: bool | Mapping[str, Any] = False
+    """``True`` or ``torch.compile`` keyword arguments: each ``fsdp_units`` module (the transformer block) compiled
+    with ``fullgraph=True`` once parallelized, in place (:func:`parallelize`'s ``compile``). The way to compile
+    blocks with a plan: the strategy applies it in ``setup``, after ``configure_model``, and a module that has a
+    plan has no ``configure_model``."""
 
     def __post_init__(self) -> None:
         if self.kv_exchange not in ("ring", "all_gather"):
@@ -252,7 +324,18 @@ class ParallelPlan:
         return bool(self.tp_plan or self.fsdp_units or self.activation_checkpointing or self.mp_policy)
 
     def apply(self, module: nn.Module, meshes: ParallelMeshes, *, root_units: Sequence[nn.Module] | None = None) -> nn.Module:
-        """:func:`parallelize` ``module`` with this plan."""
+        """:func:`parallelize` ``module`` with this plan.
+
+        Raises:
+            ValueError: as :func:`parallelize`; and ``compile`` (one graph per block) with ``cp > 1`` and
+                ``kv_exchange="ring"``, whose point-to-point exchanges Dynamo does not compile.
+        """
+        if _fullgraph(self.compile) and meshes["cp"].size() > 1 and self.tp_plan == "auto" and self.kv_exchange == "ring":
+            raise ValueError(
+                "ParallelPlan(compile=...) with cp > 1: the ring exchange of keys and values (kv_exchange='ring') sends "
+                "and receives point to point, which Dynamo does not compile (a graph break per exchange); give "
+                "kv_exchange='all_gather', or compile={'fullgraph': False}"
+            )
         return parallelize(
             module,
             meshes,
@@ -261,4 +344,5 @@ class ParallelPlan:
             activation_checkpointing=self.activation_checkpointing,
             mp_policy=self.mp_policy,
             root_units=root_units,
+            compile=self.compile,
         )

@@ -27,8 +27,9 @@ these blocks until a ``RowwiseParallel`` layer sums them. Two mistakes there tra
 A weight split by a style (a DTensor) that the model reads outside its module's forward, with plain
 tensors, fails in DTensor; a ``ValueError`` names it.
 
-:func:`watch_split_activations` watches one forward (the first step's; a Python check per op). Every rank
-runs the same code, so every rank raises at the same point. Parameters that are DTensors (split or
+:func:`watch_split_activations` watches one forward (the first step's; a Python check per op; compiled modules
+run eagerly in it and are first compiled in the next). Every rank runs the same code, so every rank raises at
+the same point. Parameters that are DTensors (split or
 replicated by a style) are DTensor's to handle and are left alone. Pure PyTorch.
 """
 
@@ -199,7 +200,11 @@ def watch_split_activations(model: nn.Module, tp_mesh: DeviceMesh) -> Iterator[N
     """Watch the forward inside (see the module docstring): the fused-projection trap and a whole parameter
     that meets split and whole activations, or fails on split ones, raise ``ValueError`` naming them; each whole
     parameter that meets split activations only gets, on leaving, a hook summing its gradient over ``tp_mesh``
-    (its mesh dim name is the one the colwise and rowwise weights are split over)."""
+    (its mesh dim name is the one the colwise and rowwise weights are split over).
+
+    Modules compiled with ``torch.compile`` run eagerly inside (``torch.compiler.set_stance("force_eager")``): the
+    watch sees every op, and Dynamo traces neither the watch nor its hooks, which are gone when it first compiles
+    them (the next forward)."""
     tp_dim = (tp_mesh.mesh_dim_names or ("tp",))[0]
     watch = _Watch()
     handles = []
@@ -248,7 +253,7 @@ def watch_split_activations(model: nn.Module, tp_mesh: DeviceMesh) -> Iterator[N
         handles.append(module.register_forward_hook(left))  # after the colwise / rowwise hook: the split output known
     watch.dtensors.update((id(p), (n, p)) for n, p in model.named_parameters() if isinstance(p, DTensor))
     try:
-        with watch:
+        with watch, torch.compiler.set_stance("force_eager"):  # compiled blocks run their Python: the watch sees its ops
             yield
     finally:
         for handle in handles:

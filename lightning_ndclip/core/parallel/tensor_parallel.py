@@ -15,7 +15,11 @@ two parameters with two gradients: a different model, trained without a warning.
 - a module the plan parallelizes returns its output as a plain tensor where its style says so
   (``use_local_output``), which DTensor makes a view of the result's local shard: that view is
   made a tensor of its own (:func:`output_not_a_view`), so that FSDP2 does not warn of a view when
-  it is a unit's output (a transformers LM head's logits);
+  it is a unit's output (a transformers LM head's logits), and an output whose collective is pending
+  is waited for (compiled code loses such an input's gradient); the hook does nothing inside compiled
+  code, so a compiled block has no graph break of ours;
+- a plan key matches a module inside a ``torch.compile(block)`` wrapper without its ``_orig_mod``
+  (:func:`matches_plan_key`, :func:`resolved_plan`);
 - :func:`check_ties` verifies, after any parallelization (a ``configure_model`` hook included), that
   every tie is still one parameter, raising the same error on every rank otherwise.
 """
@@ -42,11 +46,38 @@ Ties = list[tuple[str, ...]]
 """Groups of parameter names (``module path.attribute``) that are one tensor, in model order."""
 
 
+COMPILED = "_orig_mod"
+"""The name ``torch.compile(module)`` gives the module it wraps: a block compiled before the plan is applied has its
+layers under ``blocks.0._orig_mod.``, and a plan key names them without it."""
+
+
 def matches_plan_key(name: str, key: str) -> bool:
     """Whether a module name matches a plan key part by part, ``*`` standing for one part (as in
-    ``parallelize_module``)."""
+    ``parallelize_module``); the ``_orig_mod`` parts of a module inside a ``torch.compile`` wrapper may be
+    left out of the key (``blocks.*.up`` matches ``blocks.0._orig_mod.up``)."""
     parts, patterns = name.split("."), key.split(".")
-    return len(parts) == len(patterns) and all(fnmatchcase(p, q) for p, q in zip(parts, patterns))
+    if len(parts) == len(patterns) and all(fnmatchcase(p, q) for p, q in zip(parts, patterns)):
+        return True
+    unwrapped = [p for p in parts if p != COMPILED]
+    return len(unwrapped) < len(parts) and matches_plan_key(".".join(unwrapped), key)
+
+
+def resolved_plan(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """``plan`` for ``parallelize_module(module, ...)``: as given, or, where ``module`` holds ``torch.compile``
+    wrappers (whose layers ``parallelize_module`` would not find under a key without ``_orig_mod``), the style of
+    each matched submodule under its own name (the first key matching it; the module a wrapper holds, not the
+    wrapper)."""
+    wrappers = compiled_wrappers(module)
+    if not wrappers:
+        return dict(plan)
+    names = [name for name, _ in module.named_modules() if name and name not in wrappers]
+    return {name: style for name in names if (style := _style_of(plan, name)) is not None}
+
+
+def compiled_wrappers(module: nn.Module) -> set[str]:
+    """The names of the ``torch.compile`` wrappers in ``module`` (``""``: ``module`` is one): each holds its module
+    as ``_orig_mod``."""
+    return {name.rpartition(".")[0] for name, _ in module.named_modules() if name.rpartition(".")[2] == COMPILED}
 
 
 def tied_parameters(module: nn.Module) -> Ties:
@@ -139,7 +170,8 @@ def tensor_parallelize(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str
     plan replicates over tp whose gradient DTensor leaves ``Partial`` (a norm on tp-split activations)
     gets that gradient summed over tp once accumulated.
 
-    Use it in place of ``parallelize_module`` in a ``configure_model`` hook, before ``fully_shard``.
+    Use it in place of ``parallelize_module`` in a ``configure_model`` hook, before ``fully_shard``, and
+    before ``block.compile()``; blocks already wrapped by ``torch.compile(block)`` are found by the same keys.
 
     Raises:
         ValueError: a plan key matches no submodule (before changing ``module``), or a tie's copies end
@@ -154,10 +186,11 @@ def tensor_parallelize(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str
         )
     ties = tied_parameters(module)
     completed = _with_tied_partners(module, plan, ties)
-    parallelize_module(module, tp_mesh, completed)
+    parallelize_module(module, tp_mesh, resolved_plan(module, completed))
     _retie(module, ties)
+    wrappers = compiled_wrappers(module)
     for name, child in module.named_modules():
-        style = _style_of(completed, name) if name else None
+        style = _style_of(completed, name) if name and name not in wrappers else None
         if style is not None and getattr(style, "use_local_output", False):
             child.register_forward_hook(output_not_a_view)
     for param in module.parameters():
@@ -171,8 +204,19 @@ def output_not_a_view(module: nn.Module, inputs: Any, output: Any) -> Any:
     the two views whose base nothing saves for backward: an ``nn.Linear``'s output on 3+-D input (a
     view of its fresh 2-D result) and a tensor-parallel style's local output (a view of the result
     DTensor's local shard, outside autograd). So FSDP2's backward hook on a unit's output cannot be
-    lost to an in-place op on it, and FSDP2 does not warn that it could."""
-    if type(output) is torch.Tensor and _compat.view_base(output) is not None:
+    lost to an in-place op on it, and FSDP2 does not warn that it could. An output whose collective is
+    still pending (an ``AsyncCollectiveTensor``: a rowwise layer's sum, a vocab-split embedding's output) is
+    waited for and given as a plain tensor the same way: compiled code it enters (a compiled transformer
+    block after an embedding) would return no gradient for it (torch 2.14).
+
+    Compiled (``torch.compile`` tracing it, e.g. inside a compiled transformer block): nothing to do, and
+    nothing for Dynamo to trace (it cannot call the C-level ``view_base``, a graph break per layer): AOTAutograd
+    returns no compiled region's output as a view of one of its intermediates, and a view inside the region
+    is no unit's output."""
+    if torch.compiler.is_compiling():
+        return output
+    pending = isinstance(output, _compat.AsyncCollectiveTensor)
+    if pending or (type(output) is torch.Tensor and _compat.view_base(output) is not None):
         return _compat.unsafe_view(output, output.shape)
     return output
 
