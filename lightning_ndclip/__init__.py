@@ -37,6 +37,7 @@ from lightning_ndclip.core.parallel.expert_parallel import ExpertParallel
 from lightning_ndclip.core.parallel.expert_tensor_parallel import PackedExpertsParallel
 from lightning_ndclip.core.parallel.hf import HF_STYLES, LatentKeyParallel, hf_ep_plan, hf_tp_plan
 from lightning_ndclip.core.parallel.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from lightning_ndclip.core.parallel.loss_parallel import loss_parallel_plan, vocab_parallel_cross_entropy, vocab_parallel_head
 from lightning_ndclip.core.parallel.mesh import LIGHTNING_DIM_NAMES, MESH_DIM_NAMES, ParallelDims, ParallelMeshes
 from lightning_ndclip.core.parallel.plan import ParallelPlan, parallelize
 from lightning_ndclip.core.parallel.reduce import sum_allreduce_hook, use_sum_reduction
@@ -122,6 +123,7 @@ __all__ = [
     "load_balance",
     "load_balancing_loss",
     "load_hf_checkpoint",
+    "loss_parallel_plan",
     "loss_share",
     "model_units",
     "parallelize",
@@ -143,4 +145,6 @@ __all__ = [
     "tie_gradients",
     "tied_parameters",
     "use_sum_reduction",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_head",
 ]

@@ -29,6 +29,11 @@ and ``rowwise`` on its two weights)        every expert split along its intermed
 ``replicate``                              none: left whole, as a module the plan does not name
 ========================================= ====================================================
 
+Under loss parallel (``ParallelPlan(loss_parallel=True)``,
+:func:`~lightning_ndclip.core.parallel.loss_parallel.loss_parallel_plan`) a causal LM's head
+(``colwise_gather_output`` / ``colwise_rep``) keeps its logits sharded along the vocabulary instead, and its own
+loss becomes :func:`vocab_parallel_causal_lm_loss`.
+
 :func:`hf_ep_plan` reads ``model.ep_plan`` the same way, for ``ep > 1``: an ``ep_dispatch_experts`` module (with
 its ``grouped_gemm`` weights) becomes :class:`~lightning_ndclip.core.parallel.expert_parallel.ExpertParallel`,
 whole experts per ``ep`` rank (each split over ``tp`` too when ``tp > 1``, in place of its ``moe_tp_experts``
@@ -55,9 +60,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from lightning_ndclip import _compat
 from lightning_ndclip.core.parallel.expert_parallel import ExpertParallel
 from lightning_ndclip.core.parallel.expert_tensor_parallel import PackedExpertsParallel
+from lightning_ndclip.core.parallel.loss_parallel import vocab_parallel_cross_entropy
 from lightning_ndclip.core.parallel.tensor_parallel import OWN_OUTPUT_GRADIENT, gradient_summed_over, matches_plan_key
 
-__all__ = ["HF_STYLES", "LatentKeyParallel", "hf_ep_plan", "hf_tp_plan"]
+__all__ = ["HF_STYLES", "LatentKeyParallel", "hf_ep_plan", "hf_tp_plan", "vocab_parallel_causal_lm_loss"]
 
 
 def _gathered_colwise() -> ParallelStyle:
@@ -321,3 +327,107 @@ def hf_ep_plan(module: nn.Module) -> dict[str, ParallelStyle]:
             f"{found}); train with ep=1, or parallelize its experts yourself in configure_model"
         )
     return plan
+
+
+def output_heads(module: nn.Module) -> dict[str, nn.Module]:
+    """``{name of the LM head: its model}`` for the ``transformers`` models inside ``module`` that have output
+    embeddings (``get_output_embeddings()``: a causal LM's ``lm_head``); names relative to ``module``."""
+    heads: dict[str, nn.Module] = {}
+    for prefix, model in transformers_models(module):
+        get = getattr(model, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+        if name:
+            heads[f"{prefix}.{name}" if prefix else name] = model
+    return heads
+
+
+def vocab_parallel_causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    vocab_size: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``transformers``' ``ForCausalLMLoss`` on vocabulary-sharded logits (loss parallel), the ``loss_function`` that
+    :func:`~lightning_ndclip.core.parallel.loss_parallel.loss_parallel_plan` gives a causal LM: the labels shifted
+    by one (or ``shift_labels`` as given: context parallelism passes them), the cross-entropy of every token by
+    :func:`~lightning_ndclip.core.parallel.loss_parallel.vocab_parallel_cross_entropy`, then their sum divided by
+    ``num_items_in_batch`` when given, else their mean over the tokens that count. The same function on plain
+    logits, in at least float32 (``ForCausalLMLoss`` rounds float64 logits to float32; this keeps float64).
+    Further keyword arguments are ignored, as ``ForCausalLMLoss`` ignores them.
+
+    Raises:
+        ValueError: ``vocab_size`` is not the logits' last dim, or the logits are not one per label (e.g.
+            ``logits_to_keep`` with ``labels``), or a label is out of range (see ``vocab_parallel_cross_entropy``).
+    """
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("vocab_parallel_causal_lm_loss needs labels or shift_labels")
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    if logits.shape[-1] != vocab_size:
+        raise ValueError(f"the logits hold {logits.shape[-1]} classes, and the model's vocab_size is {vocab_size}")
+    if shift_labels.numel() * vocab_size != logits.numel():
+        raise ValueError(
+            f"loss parallel: {tuple(logits.shape)} logits for {tuple(shift_labels.shape)} labels (logits_to_keep with "
+            "labels?): the model's loss needs one logit row per label"
+        )
+    target = shift_labels.reshape(logits.shape[:-1])
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = vocab_parallel_cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+    if num_items_in_batch is not None:
+        count = num_items_in_batch.to(loss.device) if isinstance(num_items_in_batch, torch.Tensor) else num_items_in_batch
+        loss = loss / count
+    return loss
+
+
+class _LossWatch:
+    """Forward hooks of a causal LM under loss parallel: a ``.loss`` it returned must come from its
+    ``loss_function`` (:func:`vocab_parallel_causal_lm_loss`), not from code of its own on the sharded logits."""
+
+    def __init__(self) -> None:
+        self.called = False
+
+    def loss(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.called = True
+        return vocab_parallel_causal_lm_loss(*args, **kwargs)
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        self.called = False
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, dict):
+            loss = output.get("loss")
+        if loss is not None and not self.called:
+            raise ValueError(
+                f"loss parallel: {type(module).__name__} returned a .loss without calling its loss_function, which "
+                "computes it on the vocabulary shards; train this model without loss_parallel"
+            )
+
+
+def use_vocab_parallel_loss(model: nn.Module) -> None:
+    """Make ``model`` (a ``transformers`` causal LM whose head a loss-parallel plan shards) compute its ``.loss`` with
+    :func:`vocab_parallel_causal_lm_loss` (once; a ``.loss`` not computed by it is then a ``ValueError``).
+
+    Raises:
+        ValueError: its loss is not ``transformers``' ``ForCausalLMLoss`` (another head type, or a custom
+            ``loss_function``): no vocabulary-parallel version of it exists here.
+    """
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    current = model.loss_function
+    if isinstance(getattr(current, "__self__", None), _LossWatch):
+        return
+    if current is not ForCausalLMLoss:
+        name = getattr(current, "__name__", type(current).__name__)
+        raise ValueError(
+            f"loss parallel: {type(model).__name__}'s loss_function is {name}, and loss parallel replaces "
+            "transformers' ForCausalLMLoss only; train this model without loss_parallel"
+        )
+    watch = _LossWatch()
+    setattr(model, "loss_function", watch.loss)  # noqa: B010 (an nn.Module attribute mypy types as Tensor | Module)
+    model.register_forward_pre_hook(watch.enter)
+    model.register_forward_hook(watch.leave)

@@ -99,6 +99,7 @@ def parallelize(
     reshard_after_forward: bool = True,
     root_units: Sequence[nn.Module] | None = None,
     compile: bool | Mapping[str, Any] = False,
+    loss_parallel: bool | str = False,
 ) -> nn.Module:
     """Apply tensor parallelism, activation checkpointing and FSDP2 to ``module``, in that order, then compile
     each ``fsdp_units`` module if asked.
@@ -131,6 +132,10 @@ def parallelize(
             compiled code; the tensor-parallel styles of its layers and its activation checkpoint inside,
             without a graph break (a checkpointed block's FSDP2 unit is then its checkpoint wrapper, as in
             torchtitan: FSDP2 hooks in compiled code would break its graph).
+        loss_parallel: ``True`` (or the LM head's plan key): the head's logits stay sharded along the vocabulary
+            and the loss is computed on the shards
+            (:func:`~lightning_ndclip.core.parallel.loss_parallel.loss_parallel_plan`); ``tp > 1``, ``cp = 1``,
+            ``pp = 1``.
 
     Raises:
         ValueError: before changing ``module``, naming the argument and the entries, when an
@@ -138,7 +143,9 @@ def parallelize(
             submodule, or a TP plan is given without a ``tp`` dim, or ``compile`` without ``fsdp_units``,
             or a module to checkpoint or to compile was compiled before (a ``torch.compile`` wrapper holds
             it: compile after the plan), or ``compile`` asks for one graph per block with ``ep > 1``; after
-            tensor parallelism, when the plan shards the copies of a tied parameter differently (naming them).
+            tensor parallelism, when the plan shards the copies of a tied parameter differently (naming them);
+            ``loss_parallel`` with ``cp > 1`` or ``pp > 1``, or without an LM head to shard (see
+            :func:`~lightning_ndclip.core.parallel.loss_parallel.loss_parallel_plan`).
     """
     options = None if compile is False else {} if compile is True else dict(compile)  # None: no compile
     if options is not None and not fsdp_units:
@@ -153,6 +160,12 @@ def parallelize(
         _check_not_compiled(module, fsdp_units, compile=True)
     tp, ep, cp = meshes["tp"].size(), meshes["ep"].size(), meshes["cp"].size()
     check_plan_sizes(tp_plan, tp, ep, cp)
+    if loss_parallel and (cp > 1 or meshes["pp"].size() > 1):
+        raise ValueError(
+            f"loss_parallel with cp={cp}, pp={meshes['pp'].size()}: loss parallel is built for cp = 1 and pp = 1 (the "
+            "losses over a cut sequence or on a last pipeline stage are not checked against one device yet); train "
+            "without loss_parallel"
+        )
     if ep > 1 and tp_plan == "auto" and _fullgraph(compile):
         raise ValueError(
             "compile with ep > 1: each block's experts are an FSDP2 unit of their own (hooks Dynamo does not trace) "
@@ -183,6 +196,10 @@ def parallelize(
         tp_plan = hf.hf_tp_plan(module, tp=tp) if tp > 1 else None
         if tp_plan and experts:  # the experts' own tp entries: applied with ep above
             tp_plan = {key: style for key, style in tp_plan.items() if not any(matches_plan_key(n, key) for n in experts)}
+    if loss_parallel:  # the LM head's logits stay sharded along the vocabulary
+        from lightning_ndclip.core.parallel.loss_parallel import loss_parallel_plan
+
+        tp_plan = loss_parallel_plan(module, tp_plan if isinstance(tp_plan, Mapping) else None, loss_parallel)
     if tp_plan:
         tensor_parallelize(module, meshes["tp"], tp_plan)
     wrappers = _replace_children(module, tuple(activation_checkpointing)) if activation_checkpointing else {}
@@ -313,7 +330,17 @@ class ParallelPlan:
     blocks with a plan: the strategy applies it in ``setup``, after ``configure_model``, and a module that has a
     plan has no ``configure_model``."""
 
+    loss_parallel: bool | str = False
+    """``True`` (or the LM head's plan key): cross-entropy on logits sharded along the vocabulary, never gathered
+    (:func:`~lightning_ndclip.core.parallel.loss_parallel.loss_parallel_plan`): with ``tp_plan="auto"``, each
+    ``transformers`` causal LM's own ``.loss``; with a plan of your own, its one gathered ``ColwiseParallel``
+    ``nn.Linear`` entry, your loss :func:`~lightning_ndclip.core.parallel.loss_parallel.vocab_parallel_cross_entropy`."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.loss_parallel, (bool, str)):
+            raise ValueError(
+                f"ParallelPlan(loss_parallel=...) must be True, False or the LM head's plan key, got {self.loss_parallel!r}"
+            )
         if self.kv_exchange not in ("ring", "all_gather"):
             raise ValueError(f"ParallelPlan(kv_exchange=...) must be 'ring' or 'all_gather', got {self.kv_exchange!r}")
         object.__setattr__(self, "fsdp_units", tuple(self.fsdp_units))
@@ -345,4 +372,5 @@ class ParallelPlan:
             mp_policy=self.mp_policy,
             root_units=root_units,
             compile=self.compile,
+            loss_parallel=self.loss_parallel,
         )
