@@ -217,12 +217,9 @@ def _heads_of(module: nn.Module, plan: Mapping[str, ParallelStyle], head: bool |
             models = hf.output_heads(module)
         if models:
             keys = sorted({key for name in models for key in plan if matches_plan_key(name, key)})
-            missing = [name for name in models if not any(matches_plan_key(name, key) for key in plan)]
-            if missing:
-                raise ValueError(
-                    f"loss_parallel=True: the LM heads {missing} are not in the tp plan; loss parallel shards the "
-                    "head's output along the vocabulary, so the plan must shard the head (colwise)"
-                )
+            # a head the model's plan leaves whole (transformers 5.0-5.x kept lm_head in the class's _tp_plan only):
+            # loss parallel is sharding it, so it gets an entry of its own
+            keys += [name for name in models if not any(matches_plan_key(name, key) for key in plan)]
         else:
             keys = [
                 key
@@ -237,7 +234,7 @@ def _heads_of(module: nn.Module, plan: Mapping[str, ParallelStyle], head: bool |
                     "it: loss_parallel='<its plan key>'"
                 )
     for key in keys:
-        style = plan[key]
+        style = plan.get(key, ColwiseParallel())
         matched = {n: m for n, m in names.items() if matches_plan_key(n, key)}
         wrong = [f"{n} ({type(m).__name__})" for n, m in matched.items() if not isinstance(m, nn.Linear)]
         if type(style) is not ColwiseParallel or wrong or not matched:
@@ -262,7 +259,7 @@ def loss_parallel_plan(
     calls it on the resolved plan, ``tp_plan="auto"`` included).
 
     The head: with ``head=True``, the output embeddings (``get_output_embeddings()``) of the ``transformers``
-    models inside ``module``, whose own loss is then replaced by
+    models inside ``module`` (given an entry where the plan has none), whose own loss is then replaced by
     :func:`~lightning_ndclip.core.parallel.hf.vocab_parallel_causal_lm_loss` (their ``.loss`` is computed on the
     shards; a model whose loss is not ``transformers``' ``ForCausalLMLoss`` is refused); without such models, the
     one plan entry that is a ``ColwiseParallel`` ``nn.Linear`` with a gathered output (``output_layouts=Replicate()``).
@@ -279,6 +276,7 @@ def loss_parallel_plan(
         raise ValueError("loss_parallel needs tp > 1 and a tp plan that shards the LM head (colwise)")
     keys, models = _heads_of(module, plan, head)
     rewritten = {key: (vocab_parallel_head() if key in keys else style) for key, style in plan.items()}
+    rewritten.update((key, vocab_parallel_head()) for key in keys if key not in plan)
     if models:
         from lightning_ndclip.core.parallel import hf
 
