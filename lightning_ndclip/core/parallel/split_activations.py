@@ -69,6 +69,18 @@ def _split_over(module: nn.Module, tp_dim: str, weight_dim: int) -> bool:
     return isinstance(placement, (Shard, _compat.StridedShard)) and placement.dim == weight_dim
 
 
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors in ``tree``, nested in tuples, lists and dicts as an op's arguments and results hold them (the
+    watch's per-op walk: pytree's general one was a tenth of a watched forward's time)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [t for item in tree for t in _tensors(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in _tensors(item)]
+    return []
+
+
 class _Watch(TorchFunctionMode):
     """Follows through every op the split activations (``split``: by id, each kept alive while watched, so an id is
     not reused) and the tensors computed from whole parameters alone (``made_of``: id -> the parameters' names);
@@ -110,7 +122,8 @@ class _Watch(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        leaves_in = [t for t in _compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)]
+        inputs = _tensors((args, kwargs))
+        leaves_in = [t for t in inputs if not isinstance(t, DTensor)]
         tensors = [t for t in leaves_in if id(t) not in self.constants]  # a buffer is no activation: beta + weight
         if func in _SPLITS and args and id(args[0]) in self.colwise_outputs:
             self.refuse_cut(func, args, kwargs)
@@ -122,8 +135,9 @@ class _Watch(TorchFunctionMode):
         except RuntimeError as error:
             self.refuse_failed(func, error, split, made_of, whole, args, kwargs)
             raise
-        leaves = [t for t in _compat.tree_leaves(output) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)]
-        self.follow_dtensors(args, kwargs, output)
+        outputs = _tensors(output)
+        leaves = [t for t in outputs if not isinstance(t, DTensor)]
+        self.follow_dtensors(inputs, outputs)
         if split:
             for layer in whole:
                 self.whole_on_split.setdefault(layer, f"{func.__name__} ({self.where()})")
@@ -163,7 +177,7 @@ class _Watch(TorchFunctionMode):
                 "tensor of every head against this rank's heads: split that layer's output with the heads (a "
                 "ColwiseParallel style for it, and its per-head parameters with it), or leave the heads whole"
             ) from error
-        read = sorted({self.dtensors[id(t)][0] for t in _compat.tree_leaves((args, kwargs)) if id(t) in self.dtensors})
+        read = sorted({self.dtensors[id(t)][0] for t in _tensors((args, kwargs)) if id(t) in self.dtensors})
         if read:
             raise ValueError(
                 f"{read} (split or replicated over tp by the plan: a DTensor) is read in {self.where()}, outside its "
@@ -171,10 +185,10 @@ class _Watch(TorchFunctionMode):
                 "directly: leave its module out of the tensor-parallel plan"
             ) from error
 
-    def follow_dtensors(self, args: Any, kwargs: Any, output: Any) -> None:
-        names = [self.dtensors[id(t)][0] for t in _compat.tree_leaves((args, kwargs)) if id(t) in self.dtensors]
+    def follow_dtensors(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        names = [self.dtensors[id(t)][0] for t in inputs if id(t) in self.dtensors]
         if names:
-            self.dtensors.update((id(t), (names[0], t)) for t in _compat.tree_leaves(output) if isinstance(t, DTensor))
+            self.dtensors.update((id(t), (names[0], t)) for t in outputs if isinstance(t, DTensor))
 
     def parameter(self, name: str) -> nn.Parameter:
         return next(p for n, p in self.parameters.values() if n == name)
