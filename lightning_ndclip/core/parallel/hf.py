@@ -408,6 +408,18 @@ class _LossWatch:
             )
 
 
+def replay_loss_parallel(parallel: nn.Module, plain: nn.Module) -> None:
+    """Give each ``transformers`` model in ``plain`` (an unparallelized copy, e.g. ``VerifyOneDevice``'s) whose
+    same-named model in ``parallel`` computes its loss on vocabulary shards (:func:`use_vocab_parallel_loss`) that
+    loss function too: on whole logits it is cross-entropy in the logits' precision, the function the parallel run
+    computes, where ``transformers``' own rounds float64 logits to float32 (a one-process replay in float64 then
+    differs by float32's rounding)."""
+    models = dict(plain.named_modules())
+    for name, model in parallel.named_modules():
+        if isinstance(getattr(getattr(model, "loss_function", None), "__self__", None), _LossWatch) and name in models:
+            setattr(models[name], "loss_function", vocab_parallel_causal_lm_loss)  # noqa: B010 (typed Tensor | Module)
+
+
 def use_vocab_parallel_loss(model: nn.Module) -> None:
     """Make ``model`` (a ``transformers`` causal LM whose head a loss-parallel plan shards) compute its ``.loss`` with
     :func:`vocab_parallel_causal_lm_loss` (once; a ``.loss`` not computed by it is then a ``ValueError``).
