@@ -84,13 +84,17 @@ def _reference(family: str) -> dict:
     return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _fit_case(family: str, layout: dict[str, int]) -> dict:
+def _fit_case(family: str, layout: dict[str, int], loss_parallel: bool = False) -> dict:
     use_existing_process_group()
     module = _CausalLM(family, batch=ROWS // (2 * layout.get("dp_shard", 1)))  # every step: all rows, in 2 micro-batches
-    plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=[type(module.lm.base_model.layers[0])])
+    plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=[type(module.lm.base_model.layers[0])], loss_parallel=loss_parallel)
     strategy = nd.NDParallelStrategy(**layout, plan=plan, loss_normalization="token_mean", summary=False)
     _, logged = _fit(module, strategy, STEPS)
-    return {**logged, "params": {n: p.detach().full_tensor() for n, p in module.lm.named_parameters()}}
+    result = {**logged, "params": {n: p.detach().full_tensor() for n, p in module.lm.named_parameters()}}
+    if loss_parallel:  # the logits of a forward outside a step (the whole sequence): how they are laid out
+        logits = module.lm(input_ids=_data()[0]["input_ids"][None]).logits
+        result["logits"] = f"{type(logits).__name__} {tuple(getattr(logits, 'placements', ()))}"
+    return result
 
 
 def _check(result: dict, reference: dict) -> None:
@@ -116,6 +120,14 @@ def test_a_family_on_cp_and_tp_equals_one_device(family):
     if _unmapped_style(model) or _head_norms_left_whole(model):  # older releases' plans, refused on tp (the matrix)
         pytest.skip(f"this transformers release's {family} plan is refused on tp (test_hf_families.py)")
     _check(run_on_ranks(4, _fit_case, family, {"dp_shard": 1, "cp": 2, "tp": 2})[0], _reference(family))
+
+
+def test_loss_parallel_on_cp_and_tp_equals_one_device():
+    """The model's own loss over the sequence cut along cp (labels shifted over the whole sequence), on logits sharded
+    along the vocabulary over tp."""
+    result = run_on_ranks(4, _fit_case, "Llama (tied)", {"dp_shard": 1, "cp": 2, "tp": 2}, True)[0]
+    _check(result, _reference("Llama (tied)"))
+    assert result["logits"] in ("DTensor (Shard(dim=-1),)", "DTensor (Shard(dim=2),)"), result["logits"]
 
 
 def _documents(position_ids: torch.Tensor) -> torch.Tensor:

@@ -134,8 +134,7 @@ def parallelize(
             torchtitan: FSDP2 hooks in compiled code would break its graph).
         loss_parallel: ``True`` (or the LM head's plan key): the head's logits stay sharded along the vocabulary
             and the loss is computed on the shards
-            (:func:`~lightning_ndclip.core.parallel.loss_parallel.loss_parallel_plan`); ``tp > 1``, ``cp = 1``,
-            ``pp = 1``.
+            (:func:`~lightning_ndclip.core.parallel.loss_parallel.loss_parallel_plan`); ``tp > 1``, ``pp = 1``.
 
     Raises:
         ValueError: before changing ``module``, naming the argument and the entries, when an
@@ -144,7 +143,7 @@ def parallelize(
             or a module to checkpoint or to compile was compiled before (a ``torch.compile`` wrapper holds
             it: compile after the plan), or ``compile`` asks for one graph per block with ``ep > 1``; after
             tensor parallelism, when the plan shards the copies of a tied parameter differently (naming them);
-            ``loss_parallel`` with ``cp > 1`` or ``pp > 1``, or without an LM head to shard (see
+            ``loss_parallel`` with ``pp > 1``, or without an LM head to shard (see
             :func:`~lightning_ndclip.core.parallel.loss_parallel.loss_parallel_plan`).
     """
     options = None if compile is False else {} if compile is True else dict(compile)  # None: no compile
@@ -160,11 +159,10 @@ def parallelize(
         _check_not_compiled(module, fsdp_units, compile=True)
     tp, ep, cp = meshes["tp"].size(), meshes["ep"].size(), meshes["cp"].size()
     check_plan_sizes(tp_plan, tp, ep, cp)
-    if loss_parallel and (cp > 1 or meshes["pp"].size() > 1):
+    if loss_parallel and meshes["pp"].size() > 1:
         raise ValueError(
-            f"loss_parallel with cp={cp}, pp={meshes['pp'].size()}: loss parallel is built for cp = 1 and pp = 1 (the "
-            "losses over a cut sequence or on a last pipeline stage are not checked against one device yet); train "
-            "without loss_parallel"
+            f"loss_parallel with pp={meshes['pp'].size()}: loss parallel is built for pp = 1 (the losses of a last pipeline "
+            "stage are not checked against one device yet); train without loss_parallel"
         )
     if ep > 1 and tp_plan == "auto" and _fullgraph(compile):
         raise ValueError(
