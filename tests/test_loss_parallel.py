@@ -308,3 +308,39 @@ def test_loss_parallel_with_pp_is_refused_before_the_model_changes():
     with pytest.raises(ValueError, match="loss_parallel with pp=2"):
         parallelize(model, meshes, tp_plan=PLAN, loss_parallel=True)  # type: ignore[arg-type]
     assert all(type(p) is torch.nn.Parameter and torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def _bf16_logits() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    logits = (4 * torch.randn(3, 5, 301, generator=g)).to(torch.bfloat16)  # 301: blocks of 151 and 150
+    labels = torch.randint(0, 301, (3, 5), generator=g)
+    labels[0, :2] = -100
+    return logits, labels
+
+
+def _bf16_case() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    logits, labels = _bf16_logits()
+    local = logits.tensor_split(2, dim=-1)[dist.get_rank()].clone().requires_grad_()
+    sharded = DTensor.from_local(local, mesh, [Shard(2)], run_check=False, shape=logits.shape, stride=logits.stride())
+    losses = vocab_parallel_cross_entropy(sharded, labels)
+    losses.sum().backward()
+    return {"losses": losses.detach(), "dtype": str(losses.dtype), "grad": local.grad, "grad_dtype": str(local.grad.dtype)}
+
+
+def test_bf16_logits_give_transformers_float32_loss_and_a_bf16_gradient():
+    """transformers upcasts the logits to float32 for its loss; the shards do the same, and hand back the logits'
+    gradient in their dtype, as autograd through ``.float()`` does."""
+    logits, labels = _bf16_logits()
+    whole = logits.clone().requires_grad_()
+    expected = nn.functional.cross_entropy(whole.float().flatten(0, 1), labels.flatten(), reduction="none").view(3, 5)
+    expected.sum().backward()
+    results = run_on_ranks(2, _bf16_case)
+    for rank, result in enumerate(results):
+        assert result["dtype"] == "torch.float32" and result["grad_dtype"] == "torch.bfloat16"
+        torch.testing.assert_close(result["losses"], expected.detach(), rtol=1e-6, atol=1e-6)
+        block = whole.grad.tensor_split(2, dim=-1)[rank]
+        torch.testing.assert_close(result["grad"].float(), block.float(), rtol=8e-3, atol=1e-7)  # one bf16 ulp
