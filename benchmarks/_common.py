@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_ndclip import _compat
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -76,7 +78,7 @@ def join_as_trainer_rank(rank: int, world_size: int, port: int, run_id: str, pin
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
     warnings.filterwarnings("ignore")  # Lightning's hints (num_workers, ...) on every rank and fit
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # full_tensor() of TP params
+    _compat.redistribute_logger().setLevel(logging.ERROR)  # full_tensor() of TP params
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", TORCHELASTIC_RUN_ID=run_id,
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip

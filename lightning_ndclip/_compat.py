@@ -13,6 +13,7 @@ core imports this module and must import without Lightning.
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
@@ -44,6 +45,7 @@ __all__ = [
     "device_has_foreach_support",
     "disable_torch_function_subclass",
     "dynamo_counters",
+    "redistribute_logger",
     "dtensor_spec",
     "flatten_mesh",
     "foreach_mul_",
@@ -91,6 +93,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "group_by_device_and_dtype": ("torch.utils._foreach_utils:_group_tensors_by_device_and_dtype",),
     "disable_torch_function_subclass": ("torch._C:DisableTorchFunctionSubclass",),
     "dynamo_counters": ("torch._dynamo.utils:counters",),
+    "redistribute_logger": ("torch.distributed.tensor._redistribute:logger",),
     "tree_leaves": ("torch.utils._pytree:tree_leaves",),
     "checkpoint_wrapper": ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper:checkpoint_wrapper",),
     "flatten_mesh": ("torch.distributed.device_mesh:DeviceMesh._flatten",),
@@ -165,6 +168,13 @@ unsafe_view: Callable[[torch.Tensor, Sequence[int]], torch.Tensor] = torch.ops.a
 """A reshape that autograd does not record as a view (reason: how ``torch.matmul`` returns its 3-D
 result; a ``Linear`` with a bias returns a view of its 2-D ``addmm`` result instead, which FSDP2
 warns about for a unit's output, and no public op turns a view into a tensor without copying)."""
+
+
+def redistribute_logger() -> logging.Logger:
+    """DTensor's redistribution logger, which notes at WARNING every strided shard gathered by "sequential
+    all_gather" operations (reason: no public switch; the benchmarks and the tp sweep gather FSDP2 x TP
+    parameters whole by design and silence it)."""
+    return logging.getLogger("torch.distributed.tensor._redistribute")
 
 
 def dynamo_counters() -> Any:

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 transformers = pytest.importorskip("transformers")
 
+from lightning_ndclip import _compat  # noqa: E402
 from lightning_ndclip.core.parallel.mesh import ParallelDims  # noqa: E402
 from lightning_ndclip.core.parallel.plan import parallelize  # noqa: E402
 from lightning_ndclip.core.parallel.split_activations import watch_split_activations  # noqa: E402
@@ -163,7 +164,7 @@ def _one(family: str, architecture: str) -> tuple[str, str, float, float]:
 
 def _sweep(families: dict[str, str]) -> dict[str, tuple[str, str, float, float]]:
     results = {}
-    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")  # "2 sequential all_gather" notes
+    redistribute = _compat.redistribute_logger()  # "2 sequential all_gather" notes
     level = redistribute.level
     redistribute.setLevel(logging.ERROR)
     try:

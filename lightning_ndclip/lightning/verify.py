@@ -321,8 +321,7 @@ class VerifyOneDevice(Callback):
             *([] if window is None else [f"  as one batch {window.summary()}"]),
             *([] if draws is None else [f"  random draws  {draws.summary()}"]),
             f"  verdict: {verdict}",
-            f"  the check took {time.perf_counter() - self._started:.2f} s (gathering, replay, comparison); rank 0's "
-            f"peak memory grew by {max(0.0, _peak_mb() - self._peak):.0f} MB",
+            self._cost(),
         ]
         self.report = "\n".join(lines)
         rank_zero_info(self.report)
@@ -337,6 +336,13 @@ class VerifyOneDevice(Callback):
             + (f". {window.explanation()}" if window is not None and window_bad else "")
         )
 
+    def _cost(self) -> str:
+        """The report's last line: what the check cost."""
+        return (
+            f"  the check took {time.perf_counter() - self._started:.2f} s (gathering, replay, comparison); rank 0's "
+            f"peak memory grew by {max(0.0, _peak_mb() - self._peak):.0f} MB"
+        )
+
     def _unreplayed(self, k: int, data_ranks: int, draws: _StepDraws | None, verdict: str) -> str | None:
         """The report of a step whose random draws could not be replayed (``verdict`` says why): a warning when
         ``"not checked"``; the mismatch message when peers drew apart."""
@@ -345,8 +351,7 @@ class VerifyOneDevice(Callback):
             "on one process: its random draws",
             *([] if draws is None else [f"  random draws  {draws.summary(replayed=False)}"]),
             f"  verdict: {verdict}",
-            f"  the check took {time.perf_counter() - self._started:.2f} s (gathering, replay, comparison); rank 0's "
-            f"peak memory grew by {max(0.0, _peak_mb() - self._peak):.0f} MB",
+            self._cost(),
         ]
         self.report = "\n".join(lines)
         rank_zero_info(self.report)

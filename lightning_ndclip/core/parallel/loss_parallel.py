@@ -234,10 +234,10 @@ def _heads_of(module: nn.Module, plan: Mapping[str, ParallelStyle], head: bool |
                     "it: loss_parallel='<its plan key>'"
                 )
     for key in keys:
-        style = plan.get(key, ColwiseParallel())
+        style = plan.get(key)  # None: a head the plan leaves out, which loss parallel shards
         matched = {n: m for n, m in names.items() if matches_plan_key(n, key)}
         wrong = [f"{n} ({type(m).__name__})" for n, m in matched.items() if not isinstance(m, nn.Linear)]
-        if type(style) is not ColwiseParallel or wrong or not matched:
+        if (style is not None and type(style) is not ColwiseParallel) or wrong or not matched:
             raise ValueError(
                 f"loss parallel: the head entry {key!r} must be a ColwiseParallel style on nn.Linear modules (it "
                 f"shards the vocabulary), got {type(style).__name__} on {wrong or sorted(matched) or 'no module'}"
