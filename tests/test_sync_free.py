@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from test_context import _video_batch
 from test_context_trainer import DIT_ROWS, _CausalLMModule, _DiTModule
 from test_experts_trainer import _MoEModule
+from test_loss_parallel_trainer import _LlamaModule
 from test_pipeline_trainer import _PipelinedLM
 from test_verify import TP_PLAN, Block, CountingLM, SampleLM
 from torch import nn
@@ -94,12 +95,16 @@ def _case(layout: str) -> int:
             pipeline=nd.PipelineOptions(split_points=["layers.2"], microbatches=2),
         )  # fmt: skip
         return _fit(module, strategy, 4)
+    if layout == "loss_parallel":
+        module = _LlamaModule()
+        plan = nd.ParallelPlan(tp_plan="auto", loss_parallel=True, fsdp_units=[type(module.lm.model.layers[0])])
+        return _fit(module, nd.NDParallelStrategy(dp_shard=2, tp=2, loss_normalization="token_mean", summary=False, plan=plan), 4)
     if layout == "ep":
         return _fit(_MoEModule(), nd.NDParallelStrategy(dp_shard=4, ep=2, sum_reduction=True, summary=False), 4)
     raise AssertionError(layout)
 
 
-@pytest.mark.parametrize("layout", ["fsdp_tp", "hsdp_sample_mean", "cp", "cp_sample_mean", "pp", "ep"])
+@pytest.mark.parametrize("layout", ["fsdp_tp", "hsdp_sample_mean", "cp", "cp_sample_mean", "pp", "ep", "loss_parallel"])
 def test_steady_state_steps_read_nothing_on_the_host(layout):
     checked = run_on_ranks(4, _case, layout)
     assert len(set(checked)) == 1 and checked[0] >= STEPS - 1, checked  # every micro-batch after the first step

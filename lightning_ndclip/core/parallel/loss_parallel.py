@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
+from lightning_ndclip.core.agree import host_reads_are_free
 from lightning_ndclip.core.parallel.tensor_parallel import matches_plan_key
 
 __all__ = ["loss_parallel_plan", "vocab_parallel_cross_entropy", "vocab_parallel_head"]
@@ -165,12 +166,12 @@ def vocab_parallel_cross_entropy(
         return _reduced(losses.view(labels.shape), valid.view(labels.shape), reduction)
     local, group, offset = _vocab_block(logits)
     bad = valid & ((target < 0) | (target >= vocab))
-    if local.device.type == "cpu":  # free to read here; every tp rank holds the same labels and raises alike
+    if host_reads_are_free(local.device):  # every tp rank holds the same labels and raises alike
         if bool(bad.any()):
             found = target[bad][:5].tolist()
             raise ValueError(f"labels must lie in [0, {vocab}) or be ignore_index={ignore_index}, got {found}")
     losses = _ShardedCrossEntropy.apply(local.reshape(-1, local.shape[-1]), target, offset, group, ignore_index)
-    if local.device.type != "cpu":
+    if not host_reads_are_free(local.device):
         losses = torch.where(bad, torch.nan, losses)
     return _reduced(losses.view(labels.shape), valid.view(labels.shape), reduction)
 
