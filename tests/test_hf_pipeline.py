@@ -17,6 +17,7 @@ from helpers import use_existing_process_group
 from hf_families import COMMON, FAMILIES, MOE, tiny_causal_lm
 from test_hf_families import MAX_NORM, _data, _fit, _head_norms_left_whole, _reference
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import lightning_ndclip as nd
 from lightning_ndclip.core.parallel.hf_pipeline import HFPipelineSplit
@@ -33,15 +34,19 @@ class _PipelinedFamily(L.LightningModule):
     """A family's tiny causal LM, pipelined by the strategy: ``training_step`` runs the schedule on (input_ids,
     labels) batches, ``pipeline_loss`` is the per-token cross-entropy of the last stage's logits."""
 
-    def __init__(self, family: str, dp: int) -> None:
+    def __init__(self, family: str, dp: int, loss_parallel: bool = False) -> None:
         super().__init__()
         self.lm = tiny_causal_lm(family)
-        self.dp = dp
+        self.dp, self.loss_parallel, self.sharded = dp, loss_parallel, set()
 
     def count_tokens(self, batch) -> torch.Tensor:
         return (batch[1] != -100).sum()
 
     def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.loss_parallel:  # the logits a DTensor, this rank's block of the vocabulary
+            if isinstance(logits, DTensor):  # VerifyOneDevice's replay: plain logits
+                self.sharded.add(tuple(logits.to_local().shape))
+            return nd.vocab_parallel_cross_entropy(logits, labels)
         return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
 
     def training_step(self, batch, batch_idx):
@@ -60,16 +65,18 @@ class _PipelinedFamily(L.LightningModule):
 def _strategy(module: _PipelinedFamily, layout: str) -> nd.NDParallelStrategy:
     units = [type(module.lm.base_model.layers[0])]  # the decoder layer, each one FSDP2 unit
     tp = LAYOUTS[layout].get("tp", 1)
-    plan = nd.ParallelPlan(tp_plan="auto" if tp > 1 else None, fsdp_units=units)
+    plan = nd.ParallelPlan(tp_plan="auto" if tp > 1 else None, fsdp_units=units, loss_parallel=module.loss_parallel)
     return nd.NDParallelStrategy(
         pp=2, **LAYOUTS[layout], plan=plan, pipeline=nd.PipelineOptions(module="lm", microbatches=2),
         loss_normalization="token_mean", summary=False,
     )  # fmt: skip
 
 
-def _pipelined_case(family: str, layout: str, fault: str | None = None, validate: bool = False) -> dict:
+def _pipelined_case(
+    family: str, layout: str, fault: str | None = None, validate: bool = False, loss_parallel: bool = False
+) -> dict:
     use_existing_process_group()
-    module = _PipelinedFamily(family, dp=LAYOUTS[layout].get("dp_shard", 1))
+    module = _PipelinedFamily(family, dp=LAYOUTS[layout].get("dp_shard", 1), loss_parallel=loss_parallel)
     strategy = _strategy(module, layout)
     restore = _inject(fault)
     try:
@@ -77,8 +84,8 @@ def _pipelined_case(family: str, layout: str, fault: str | None = None, validate
         if validate:  # the trained model on the 8 rows: the exact token mean, logged as val_loss
             (metrics,) = trainer.validate(module, dataloaders=module.train_dataloader(), verbose=False)
             logged["val_loss"] = metrics["val_loss"]
-    except ValueError as error:  # VerifyOneDevice's verdict on a broken pipeline
-        if fault is None:
+    except ValueError as error:  # VerifyOneDevice's verdict on a broken pipeline, or a refused one
+        if fault is None and not loss_parallel:
             raise
         return {"error": str(error), "tied": list(strategy.pipeline_options.tied_parameters)}
     finally:
@@ -90,6 +97,7 @@ def _pipelined_case(family: str, layout: str, fault: str | None = None, validate
         "names": sorted(names),
         "tied": sorted(k for tie in strategy.pipeline_options.tied_parameters for k in tie),
         "own_class": [isinstance(stage, getattr(transformers, FAMILIES[family][1])) for stage in module.lm],
+        "sharded": sorted(module.sharded),
     }
 
 
@@ -186,6 +194,29 @@ def test_a_transformers_model_pipelined_without_stages_equals_one_device(family,
     error = _max_error(results, family, reference)
     assert error < 1e-5, error
     print(f"{family} {layout}: max relative parameter error {error:.2e}")
+
+
+@pytest.mark.parametrize("family", ["Llama", "Llama (tied)"])
+def test_loss_parallel_on_the_last_stage_of_a_pipelined_transformers_model_equals_one_device(family):
+    """pp=2 x tp=2, ``ParallelPlan(tp_plan="auto", loss_parallel=True)``: the last stage returns the logits sharded along
+    the vocabulary ([2, 6, 16]: 16 of 32 per tp rank), ``pipeline_loss`` is ``vocab_parallel_cross_entropy`` on them;
+    losses, norms and parameters after 2 clipped steps equal one device's. A release whose plan leaves a tied embedding whole
+    (transformers 5.0) would hold the embedding whole on the first stage and the head vocabulary-sharded on the last:
+    refused on every rank, naming the tie."""
+    model = tiny_causal_lm(family)
+    results = run_on_ranks(4, _pipelined_case, family, "pp2xtp2", None, False, True)
+    if "tied" in family and not any(key.endswith("embed_tokens") for key in model.tp_plan):
+        for r in results:
+            assert "['model.embed_tokens.weight', 'lm_head.weight'] are one parameter" in r["error"], r
+        return
+    reference = _reference(family)
+    for rank, r in enumerate(results):
+        for key in ("losses", "norms"):
+            torch.testing.assert_close(torch.tensor(r[key]), torch.tensor(reference[key]), rtol=1e-5, atol=0, msg=key)
+        assert r["sharded"] == ([(2, 6, 16)] if rank >= 2 else []), r["sharded"]  # ranks 2 and 3: the last stage
+    assert "verdict: exact" in results[0]["verified"], results[0]["verified"]
+    error = _max_error(results, family, reference)
+    assert error < 1e-5, error
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -291,25 +291,6 @@ def test_llama_refusals_name_the_cause():
         model(tokens, labels=labels)
 
 
-class _Dim:
-    def __init__(self, size: int) -> None:
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
-
-
-def test_loss_parallel_with_pp_is_refused_before_the_model_changes():
-    from lightning_ndclip.core.parallel.plan import parallelize
-
-    model = _model(False)
-    before = {n: p.clone() for n, p in model.named_parameters()}
-    meshes = {"tp": _Dim(2), "ep": _Dim(1), "cp": _Dim(1), "pp": _Dim(2)}
-    with pytest.raises(ValueError, match="loss_parallel with pp=2"):
-        parallelize(model, meshes, tp_plan=PLAN, loss_parallel=True)  # type: ignore[arg-type]
-    assert all(type(p) is torch.nn.Parameter and torch.equal(p, before[n]) for n, p in model.named_parameters())
-
-
 def _bf16_logits() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     logits = (4 * torch.randn(3, 5, 301, generator=g)).to(torch.bfloat16)  # 301: blocks of 151 and 150

@@ -101,7 +101,7 @@ _MAY_IMPORT = {  # each part of the core, and the other parts it may import (lig
     "loss": {"agree"},
     "parallel": {"context", "agree"},
     "context": set(),
-    "pipeline": {"parallel.hf_pipeline"},
+    "pipeline": {"parallel.hf_pipeline", "agree"},
     "experts": {"parallel.expert_parallel"},
     "agree": set(),
     "load_balance": {"parallel.mesh"},

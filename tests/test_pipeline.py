@@ -276,3 +276,25 @@ def test_tied_copies_start_from_the_lowest_stage():
     first, second = run_on_ranks(2, _sync_tied_case)
     torch.manual_seed(0)
     assert first == second == torch.randn(4, 3, dtype=torch.float64).reshape(-1).tolist()
+
+
+def test_a_plan_for_the_whole_model_gives_each_stage_the_entries_naming_its_modules():
+    """``ParallelPlan.for_stage``: the tp entries, unit classes and loss-parallel head a stage holds; an entry naming
+    nothing in the whole model is still an error (checked on the model, before any stage exists)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    model = TinyLM()
+    tp_plan = {"layers.0": ColwiseParallel(), "layers.3": RowwiseParallel(), "head": ColwiseParallel(output_layouts=Replicate())}
+    plan = nd.ParallelPlan(tp_plan=tp_plan, fsdp_units=[nn.Embedding, nn.Linear], loss_parallel=True)
+    first, last = split_model(model, ["embed", "layers.0", "layers.1"]), split_model(model, ["layers.2", "layers.3", "head"])
+    assert plan.for_stage(model, first) == nd.ParallelPlan(
+        tp_plan={"layers.0": tp_plan["layers.0"]}, fsdp_units=[nn.Embedding, nn.Linear], loss_parallel=False
+    )
+    assert plan.for_stage(model, last) == nd.ParallelPlan(
+        tp_plan={"layers.3": tp_plan["layers.3"], "head": tp_plan["head"]}, fsdp_units=[nn.Linear], loss_parallel="head"
+    )
+    with pytest.raises(ValueError, match=r"tp_plan entries \['lm_head'\] match no submodule of TinyLM"):
+        nd.ParallelPlan(tp_plan={"lm_head": ColwiseParallel()}).for_stage(model, first)
+    with pytest.raises(ValueError, match=r"fsdp_units: \['LayerNorm'\] match no submodule of TinyLM"):
+        nd.ParallelPlan(fsdp_units=[nn.LayerNorm]).for_stage(model, first)

@@ -13,6 +13,7 @@ from helpers import use_existing_process_group
 from test_callbacks import Recorder
 from test_pipeline import TinyLM, _batch, _reference
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import lightning_ndclip as nd
 from lightning_ndclip.core.pipeline import model_units, split_model
@@ -640,3 +641,91 @@ def test_pipeline_setups_that_would_train_or_save_wrong_are_refused_on_every_ran
     expected = {"full_checkpoint": "save_distributed_checkpoint=True", "manual_with_ties": "automatic optimization"}
     for message in run_on_ranks(2, _refused_pp_case, what):
         assert expected[what] in message, message
+
+
+
+class _OneStageFailsLM(_PipelinedLM):
+    def parallelize_stage(self, stage: nn.Module) -> None:  # a user's hook that fails on the last stage only
+        if stage.head is not None:
+            raise RuntimeError("no plan for the head")
+
+
+def _one_stage_fails_case() -> str:
+    use_existing_process_group()
+    module = _OneStageFailsLM()
+    module.dp = 1
+    strategy = nd.NDParallelStrategy(pp=2, pipeline=nd.PipelineOptions(split_points=["layers.2"], microbatches=2))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(Exception) as info:
+        trainer.fit(module)
+    return f"{type(info.value).__name__}: {info.value}"
+
+
+def test_a_stage_that_fails_to_parallelize_raises_on_every_rank():
+    """The first stage went on to the strategy's next collective and waited there for ever (a hang)."""
+    first, last = run_on_ranks(2, _one_stage_fails_case)
+    assert last == "RuntimeError: no plan for the head"
+    assert first.startswith("AgreedError: rank 1: cutting and parallelizing pipeline stage 1 raised RuntimeError"), first
+
+
+class _PlannedPipelinedLM(_PipelinedLM):
+    """Pipelined by the strategy with a declarative tp plan written for the whole model (its entries name modules of
+    both stages); ``loss_parallel``: its per-token losses from ``vocab_parallel_cross_entropy`` on the head's shards."""
+
+    def __init__(self, tied: bool, loss_parallel: bool) -> None:
+        super().__init__()
+        self.model, self.dp, self.loss_parallel, self.sharded = TinyLM(tied=tied), 1, loss_parallel, set()
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if not self.loss_parallel:
+            return super().pipeline_loss(output, target)
+        if isinstance(output, DTensor):  # this rank's block of the vocabulary
+            self.sharded.add(tuple(output.to_local().shape))
+        return nd.vocab_parallel_cross_entropy(output, target)
+
+
+def _planned_pp_case(tied: bool, loss_parallel: bool, embed: bool) -> dict:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    use_existing_process_group()
+    module = _PlannedPipelinedLM(tied, loss_parallel)
+    plan = {f"layers.{i}": ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(4)}
+    plan["head"] = ColwiseParallel(output_layouts=Replicate())
+    if embed:  # the vocabulary split of a tied embedding (as the head's)
+        plan["embed"] = RowwiseParallel(input_layouts=Replicate())
+    ties = [("embed.weight", "head.weight")] if tied else []
+    strategy = nd.NDParallelStrategy(
+        pp=2, tp=2, loss_normalization="token_mean",
+        plan=nd.ParallelPlan(tp_plan=plan, loss_parallel=loss_parallel),
+        pipeline=nd.PipelineOptions(split_points=["layers.2"], microbatches=2, tied_parameters=ties),
+    )  # fmt: skip
+    try:
+        r = _fit_two_windows(module, strategy, devices=4)
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"params": r["params"], "norms": r["norms"], "sharded": sorted(module.sharded)}
+
+
+@pytest.mark.parametrize(
+    ("tied", "loss_parallel"), [(False, False), (False, True), (True, True)], ids=["gathered", "loss_parallel", "tied"]
+)
+def test_a_declarative_tp_plan_for_the_whole_model_applies_to_each_stage(tied, loss_parallel):
+    """pp=2 x tp=2: each stage takes the plan's entries naming its modules (the head's on the last stage: with
+    loss_parallel its logits stay vocabulary-sharded, 6 + 5 of 11); the clipped update equals one device's (float64)."""
+    ref_norms, expected = _reference_steps(2, tied=tied)
+    results = run_on_ranks(4, _planned_pp_case, tied, loss_parallel, tied)
+    for rank, r in enumerate(results):
+        _assert_norms_match(r["norms"], ref_norms)
+        _assert_params_match(r["params"], expected)
+        last = rank >= 2  # pp rank 1: ranks 2 and 3, tp ranks 0 and 1
+        assert r["sharded"] == ([(2, 6, 6 - rank % 2)] if loss_parallel and last else []), r["sharded"]
+
+
+def test_stages_sharding_a_tied_parameter_differently_are_refused_on_every_rank():
+    """A vocabulary-sharded head tied to an embedding the plan leaves whole on the other stage: summing the copies'
+    local gradients would add different slices (or fail inside gloo, their sizes differ)."""
+    for r in run_on_ranks(4, _planned_pp_case, True, True, False):
+        assert "['embed.weight', 'head.weight'] are one parameter" in r["error"], r
+        assert "pp rank 0: ('whole',)" not in r["error"] and "pp rank 1: (" in r["error"], r["error"]

@@ -9,10 +9,10 @@ checks it):
 - :mod:`~lightning_ndclip.core.loss`: the exact loss normalization (counts, weights, shares); imports ``agree``;
 - :mod:`~lightning_ndclip.core.parallel`: the mesh and the parallel wrapping (tensor and expert parallel, FSDP2
   plans, Hugging Face plans and checkpoints) and its checks (coverage, replicas, summary, SUM
-  reductions); imports ``context`` (the attention of ``transformers`` models cut along the sequence);
+  reductions); imports ``context`` (the attention of ``transformers`` models cut along the sequence) and ``agree``;
 - :mod:`~lightning_ndclip.core.context`: context parallelism (sequence shards, ring attention); imports nothing else;
 - :mod:`~lightning_ndclip.core.pipeline`: pipeline stages and schedules; imports ``parallel.hf_pipeline`` (the stages
-  of a ``transformers`` model, only for one);
+  of a ``transformers`` model, only for one) and ``agree`` (a stage failing to build raises on every rank);
 - :mod:`~lightning_ndclip.core.experts`: a mixture-of-experts layer; imports ``parallel.expert_parallel`` (the token
   exchange of expert parallelism, shared with packed-experts modules);
 - :mod:`~lightning_ndclip.core.agree`: errors raised alike on every rank of a group; imports nothing else.

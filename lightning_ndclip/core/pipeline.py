@@ -46,6 +46,8 @@ from torch.distributed.pipelining.schedules import (
     ScheduleLoopedBFS,
 )
 
+from lightning_ndclip.core.agree import run_agreed
+
 __all__ = [
     "SCHEDULES",
     "ModelSplit",
@@ -251,6 +253,13 @@ def build_pipeline(
         ``(schedule, stage modules of this rank)``. Call ``schedule.step(inputs)`` on the first
         stage's rank, ``schedule.step(target=...)`` on the last one's, ``schedule.step()`` elsewhere
         (with ``losses=[]`` to collect the micro-batch losses on the last stage).
+
+    Raises:
+        ValueError: a schedule that does not fit ``stages_per_rank``, split points that are no increasing units.
+        Exception: cutting or ``parallelize_fn`` failing on any rank, on every rank of the world (one exchange):
+            that rank's own error there, an :class:`~lightning_ndclip.core.agree.AgreedError` naming each failing
+            rank and stage elsewhere (a plan naming a module of another stage failed on that stage only, and left
+            the other stages waiting).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; choose one of {sorted(SCHEDULES)}")
@@ -267,10 +276,17 @@ def build_pipeline(
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     indices = [rank + k * pp for k in range(stages_per_rank)]
-    modules = [split_model(model, per_stage[i]) for i in indices]
-    if parallelize_fn is not None:
+
+    parallelize = parallelize_fn or (lambda module: None)
+
+    def cut_and_parallelize() -> list[nn.Module]:
+        modules = [split_model(model, per_stage[i]) for i in indices]
         for module in modules:
-            parallelize_fn(module)
+            parallelize(module)
+        return modules
+
+    # a plan or hook failing on some stages only (a key naming another stage's module) raises on every rank
+    modules = run_agreed(f"cutting and parallelizing pipeline stage {' and '.join(map(str, indices))}", cut_and_parallelize)
     built = schedule_stages(
         dict(zip(indices, modules)), num_stages, pp_mesh, n_microbatches=n_microbatches, loss_fn=loss_fn,
         schedule=schedule, device=device,

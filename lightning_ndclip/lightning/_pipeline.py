@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_ndclip._compat import tree_leaves
 from lightning_ndclip.core.agree import AgreedError, raise_agreed
@@ -94,6 +95,13 @@ def _check_ties(model: nn.Module, config: PipelineOptions, num_stages: int) -> N
             )
 
 
+def _layout(parameter: torch.Tensor) -> str:
+    """How a copy of a tied parameter is held on this rank: its placements and local shape (a plain tensor: whole)."""
+    if not isinstance(parameter, DTensor):
+        return f"('whole',) {list(parameter.shape)}"
+    return f"{tuple(parameter.placements)} {list(parameter.to_local().shape)} of {list(parameter.shape)}"
+
+
 def _stages_holding(names: Sequence[str], stage_units: list[list[str]]) -> set[int]:
     """The stages (indices into ``stage_units``, each stage's units) whose units hold a parameter of ``names``."""
     return {s for s, units in enumerate(stage_units) for n in names if any(n.startswith(f"{u}.") for u in units)}
@@ -160,6 +168,7 @@ class PipelineRunner:
                     f"{config.module} (names are relative to it, e.g. {sorted(names)[:3]})"
                 )
         _check_ties(model, config, num_stages)
+        plan.for_stage(model, model)  # its entries name modules of the model: checked before any collective
 
     def setup(self, module: pl.LightningModule, meshes: ParallelMeshes, plan: ParallelPlan) -> None:
         """Cut ``module``'s ``config.module`` into this rank's stages, parallelize each (``plan``: the
@@ -179,6 +188,7 @@ class PipelineRunner:
             stages: list[nn.Module] = list(model)
             self.schedule = self._schedule(dict(zip(model.indices, stages)))
             self._ties = [self._tie_group(names, stages, model.units) for names in config.tied_parameters]
+            self._check_tie_layouts()
             return
         units = model_units(model)
         hook = getattr(module, "parallelize_stage", None)
@@ -187,7 +197,7 @@ class PipelineRunner:
             if callable(hook) and not plan:
                 hook(stage)
             else:  # the plan, or at least one FSDP2 unit per stage (DTensor parameters: checkpoints)
-                plan.apply(stage, meshes)
+                plan.for_stage(model, stage).apply(stage, meshes)
 
         self.schedule, stages = build_pipeline(
             model, meshes["pp"], config.split_points, n_microbatches=self.microbatches,
@@ -198,6 +208,7 @@ class PipelineRunner:
         indices = [rank + k * self.pp for k in range(config.stages_per_rank)]
         setattr(module, config.module, _PipelineStages(stages, indices, units, config))
         self._ties = [self._tie_group(names, stages, units) for names in config.tied_parameters]
+        self._check_tie_layouts()
 
     def load_hf_checkpoint(self, module: nn.Module, directory: Any, device: torch.device) -> None:
         """Load a Hugging Face checkpoint into this rank's stages of a ``transformers`` model, each reading the
@@ -232,6 +243,12 @@ class PipelineRunner:
             )
         self.schedule = self._schedule({int(i): m for i, m in stages.items()})
 
+    def _columns(self) -> tuple[torch.Tensor, int]:
+        """The world's ranks as ``[pp, columns]`` (a column: the ranks of one data / tp / cp coordinate, one per
+        pipeline rank) and this rank's column."""
+        columns = self._meshes.world.mesh.reshape(self.pp, -1)
+        return columns, int((columns == dist.get_rank()).nonzero()[0, 1])
+
     def _tie_group(
         self, names: Sequence[str], stages: list[nn.Module], units: list[str]
     ) -> tuple[list[torch.Tensor], dist.ProcessGroup | None]:
@@ -242,8 +259,7 @@ class PipelineRunner:
         owners = sorted({s % pp for s in _stages_holding(names, per_stage)})
         if len(owners) < 2:
             raise ValueError(f"PipelineOptions(tied_parameters) {list(names)}: held by fewer than two pipeline ranks")
-        columns = self._meshes.world.mesh.reshape(pp, -1)
-        mine = int((columns == dist.get_rank()).nonzero()[0, 1])
+        columns, mine = self._columns()
         group = None
         for c in range(columns.shape[1]):
             g = dist.new_group([int(columns[o, c]) for o in owners])
@@ -251,6 +267,29 @@ class PipelineRunner:
                 group = g
         holders: list[torch.Tensor] = [p for stage in stages for n, p in stage.named_parameters() if n in names]
         return holders, group
+
+    def _check_tie_layouts(self) -> None:
+        """Refuse, on every rank, copies of a tied parameter that their stages shard differently (one exchange over
+        the world): the tie's gradient sum and broadcast add up local shards, which would mix different slices of
+        the parameter, or fail inside the collective when their sizes differ."""
+        if not self._ties:
+            return
+        columns, mine = self._columns()
+        layouts = [sorted({_layout(p) for p in holders}) for holders, _ in self._ties]
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (mine, self._meshes["pp"].get_local_rank(), layouts))
+        for index, names in enumerate(self.config.tied_parameters):
+            for column in range(columns.shape[1]):
+                seen = {(pp_rank, layout) for c, pp_rank, held in everyone if c == column for layout in held[index]}
+                if len({layout for _, layout in seen}) > 1:
+                    described = "; ".join(f"pp rank {r}: {layout}" for r, layout in sorted(seen))
+                    raise ValueError(
+                        f"the tied parameters {list(names)} are one parameter, and the pipeline stages holding them "
+                        f"shard it differently ({described}): their gradients would be summed over different slices. "
+                        "Give their modules styles that shard the shared weight alike (a vocabulary-sharded head, as "
+                        "loss parallel makes it, needs the tied embedding vocabulary-sharded too: an "
+                        "'embedding_rowwise' entry in a transformers model's tp_plan)"
+                    )
 
     def stage_names(self, module: nn.Module) -> StageNames | None:
         """How this rank's parameter names map to the unsplit model's (:class:`StageNames`), for stages the

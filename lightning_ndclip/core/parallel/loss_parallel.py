@@ -217,6 +217,8 @@ def _heads_of(module: nn.Module, plan: Mapping[str, ParallelStyle], head: bool |
 
             models = hf.output_heads(module)
         if models:
+            # a head without parameters is a pipeline stage's stand-in for the head another stage holds
+            models = {name: model for name, model in models.items() if any(True for _ in names[name].parameters())}
             keys = sorted({key for name in models for key in plan if matches_plan_key(name, key)})
             # a head the model's plan leaves whole (transformers 5.0-5.x kept lm_head in the class's _tp_plan only):
             # loss parallel is sharding it, so it gets an entry of its own
@@ -250,6 +252,11 @@ def _heads_of(module: nn.Module, plan: Mapping[str, ParallelStyle], head: bool |
                 "would become vocabulary-sharded DTensors; give the heads an entry of their own"
             )
     return keys, models
+
+
+def head_keys(module: nn.Module, plan: Mapping[str, ParallelStyle], head: bool | str = True) -> list[str]:
+    """The plan keys of ``module``'s LM heads, as :func:`loss_parallel_plan` finds them (raising as it does)."""
+    return _heads_of(module, plan, head)[0]
 
 
 def loss_parallel_plan(

@@ -8,7 +8,7 @@ A plain function, readable top to bottom, and the plan object that holds its arg
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from torch import nn
@@ -19,6 +19,7 @@ from lightning_ndclip._compat import checkpoint_wrapper, concatenate_meshes
 from lightning_ndclip.core.parallel.mesh import ParallelMeshes
 from lightning_ndclip.core.parallel.tensor_parallel import (
     COMPILED,
+    check_plan_keys,
     matches_plan_key,
     output_not_a_view,
     resolved_plan,
@@ -134,7 +135,8 @@ def parallelize(
             torchtitan: FSDP2 hooks in compiled code would break its graph).
         loss_parallel: ``True`` (or the LM head's plan key): the head's logits stay sharded along the vocabulary
             and the loss is computed on the shards
-            (:func:`~lightning_ndclip.core.parallel.loss_parallel.loss_parallel_plan`); ``tp > 1``, ``pp = 1``.
+            (:func:`~lightning_ndclip.core.parallel.loss_parallel.loss_parallel_plan`); ``tp > 1``; with ``pp > 1``,
+            the stage holding the head (:meth:`ParallelPlan.for_stage`) returns vocabulary-sharded logits.
 
     Raises:
         ValueError: before changing ``module``, naming the argument and the entries, when an
@@ -143,7 +145,7 @@ def parallelize(
             or a module to checkpoint or to compile was compiled before (a ``torch.compile`` wrapper holds
             it: compile after the plan), or ``compile`` asks for one graph per block with ``ep > 1``; after
             tensor parallelism, when the plan shards the copies of a tied parameter differently (naming them);
-            ``loss_parallel`` with ``pp > 1``, or without an LM head to shard (see
+            ``loss_parallel`` without an LM head to shard (see
             :func:`~lightning_ndclip.core.parallel.loss_parallel.loss_parallel_plan`).
     """
     options = None if compile is False else {} if compile is True else dict(compile)  # None: no compile
@@ -159,11 +161,6 @@ def parallelize(
         _check_not_compiled(module, fsdp_units, compile=True)
     tp, ep, cp = meshes["tp"].size(), meshes["ep"].size(), meshes["cp"].size()
     check_plan_sizes(tp_plan, tp, ep, cp)
-    if loss_parallel and meshes["pp"].size() > 1:
-        raise ValueError(
-            f"loss_parallel with pp={meshes['pp'].size()}: loss parallel is built for pp = 1 (the losses of a last pipeline "
-            "stage are not checked against one device yet); train without loss_parallel"
-        )
     if ep > 1 and tp_plan == "auto" and _fullgraph(compile):
         raise ValueError(
             "compile with ep > 1: each block's experts are an FSDP2 unit of their own (hooks Dynamo does not trace) "
@@ -347,6 +344,34 @@ class ParallelPlan:
     def __bool__(self) -> bool:
         """Whether the plan applies anything."""
         return bool(self.tp_plan or self.fsdp_units or self.activation_checkpointing or self.mp_policy)
+
+    def for_stage(self, model: nn.Module, stage: nn.Module) -> ParallelPlan:
+        """The part of this plan, written for the whole ``model``, that applies to ``stage``, a pipeline stage cut from
+        it (holding some of its modules under their names): the ``tp_plan`` entries naming modules of the stage, the
+        ``fsdp_units`` / ``activation_checkpointing`` classes it has, loss parallel on the stage holding the head.
+        ``tp_plan="auto"`` stays: the stages of a ``transformers`` model carry their own part of its plan.
+
+        Raises:
+            ValueError: before any change, an entry that names nothing in ``model`` (as :func:`parallelize` on
+                ``model`` would), or a loss-parallel head ``model``'s plan does not single out.
+        """
+        _check_classes(model, "fsdp_units", self.fsdp_units)
+        _check_classes(model, "activation_checkpointing", self.activation_checkpointing)
+        present = {type(m) for m in stage.modules() if m is not stage}
+        units, checkpointed = ([c for c in cs if any(issubclass(t, c) for t in present)]
+                               for cs in (self.fsdp_units, self.activation_checkpointing))  # fmt: skip
+        if not isinstance(self.tp_plan, Mapping):
+            return replace(self, fsdp_units=units, activation_checkpointing=checkpointed)
+        check_plan_keys(model, self.tp_plan)
+        whole = dict(model.named_modules())  # a stage's stand-in for a module another stage holds is of another type
+        held = [name for name, m in stage.named_modules() if name and type(m) is type(whole.get(name))]
+        tp_plan = {key: style for key, style in self.tp_plan.items() if any(matches_plan_key(name, key) for name in held)}
+        head: bool | str = self.loss_parallel
+        if head:  # the head's key, found on the whole model; loss parallel where the stage holds it
+            from lightning_ndclip.core.parallel.loss_parallel import head_keys
+
+            head = next((key for key in head_keys(model, self.tp_plan, head) if key in tp_plan), False)
+        return replace(self, tp_plan=tp_plan, loss_parallel=head, fsdp_units=units, activation_checkpointing=checkpointed)
 
     def apply(self, module: nn.Module, meshes: ParallelMeshes, *, root_units: Sequence[nn.Module] | None = None) -> nn.Module:
         """:func:`parallelize` ``module`` with this plan.

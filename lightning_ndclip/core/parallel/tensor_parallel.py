@@ -163,6 +163,17 @@ def _retie(module: nn.Module, ties: Ties) -> None:
             setattr(owner, attribute, params[0])
 
 
+def check_plan_keys(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> None:
+    """Raise, naming them, if some keys of ``plan`` match no submodule of ``module``."""
+    names = [name for name, _ in module.named_modules() if name]
+    unmatched = [key for key in plan if not any(matches_plan_key(name, key) for name in names)]
+    if unmatched:
+        raise ValueError(
+            f"tp_plan entries {unmatched} match no submodule of {type(module).__name__} (names are relative to "
+            f"it, e.g. {names[:3]}; '*' matches one name part)"
+        )
+
+
 def tensor_parallelize(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> nn.Module:
     """``torch.distributed.tensor.parallel.parallelize_module(module, tp_mesh, plan)``, keeping tied
     parameters one parameter (see the module docstring): a tied module the plan leaves out gets the
@@ -177,13 +188,7 @@ def tensor_parallelize(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str
         ValueError: a plan key matches no submodule (before changing ``module``), or a tie's copies end
             up with different layouts (naming them and their placements).
     """
-    names = [name for name, _ in module.named_modules() if name]
-    unmatched = [key for key in plan if not any(matches_plan_key(name, key) for name in names)]
-    if unmatched:
-        raise ValueError(
-            f"tp_plan entries {unmatched} match no submodule of {type(module).__name__} (names are relative to "
-            f"it, e.g. {names[:3]}; '*' matches one name part)"
-        )
+    check_plan_keys(module, plan)
     ties = tied_parameters(module)
     completed = _with_tied_partners(module, plan, ties)
     parallelize_module(module, tp_mesh, resolved_plan(module, completed))
