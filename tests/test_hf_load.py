@@ -319,3 +319,26 @@ def test_the_strategy_loads_the_checkpoint_into_pipeline_stages_and_exports_them
     loaded = type(reference).from_pretrained(tmp_path / "exported")
     for name, value in loaded.named_parameters(remove_duplicate=False):
         assert torch.equal(value, trained[name]), name
+
+
+def _pipelined_refusal_case(directory: str) -> str:
+    try:
+        pipelined_case(directory, directory + "-exported")
+    except Exception as error:  # noqa: BLE001 - what each rank raised
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_a_tensor_missing_for_one_pipeline_stage_is_refused_on_every_rank(tmp_path):
+    """The final norm (the last stage's) is not in the checkpoint: the last stage refuses it, and the first stage,
+    whose tensors are all there, raises with it (it waited at the next collective before: a hang)."""
+    from safetensors.torch import load_file, save_file
+
+    _saved("Llama", tmp_path)
+    (path,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(path)
+    del tensors["model.norm.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    first, _, last, _ = run_on_ranks(4, _pipelined_refusal_case, str(tmp_path))
+    assert last.startswith("ValueError: load_hf_checkpoint") and "model.norm.weight" in last, last
+    assert first.startswith("AgreedError: rank 2: load_hf_checkpoint raised ValueError") and "model.norm.weight" in first, first

@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_ndclip import _compat
+from lightning_ndclip.core.agree import run_agreed
 from lightning_ndclip.core.parallel._hf_checkpoint_pieces import (
     Conversions,
     Piece,
@@ -222,26 +223,34 @@ def load_hf_checkpoint(
       stage's embedding) is read from that tensor.
 
     Raises:
-        ValueError: before anything is allocated, the same on every rank (every rank reads the same
-            file headers), naming the tensors: with ``strict``, a weight of the model the checkpoint
+        ValueError: before anything is read, on every rank (one exchange: where another rank met the
+            problem, e.g. of another pipeline stage, an :class:`~lightning_ndclip.core.agree.AgreedError`
+            naming it), naming the tensors: with ``strict``, a weight of the model the checkpoint
             lacks or a tensor of the checkpoint the model lacks (an expert's tensor among them); a shape
             that differs; a tie the model declares (``all_tied_weights_keys``) but holds as two
             parameters; tensors that ``transformers`` converts otherwise than by stacking and
-            concatenating (splits, transposes, interleaves), naming them and the model type.
-            After loading, a buffer the checkpoint lacks that the model's initialization leaves unset.
+            concatenating (splits, transposes, interleaves), naming them and the model type (all before
+            anything is allocated); a buffer the checkpoint lacks that the model's initialization leaves unset.
     """
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     reader = HuggingFaceStorageReader(str(directory))
-    to_read, pieces = _names_to_read(model, reader.read_metadata().state_dict_metadata, strict, tuple(held_elsewhere))
-    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        _to_empty_keeping_ties(model, torch.device(device) if device is not None else _default_device())
-    _recompute_unsaved_buffers(model)
+    metadata = reader.read_metadata().state_dict_metadata
+
+    def prepare() -> tuple[dict[str, str], dict[str, list[Piece]]]:
+        to_read, pieces = _names_to_read(model, metadata, strict, tuple(held_elsewhere))
+        if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            _to_empty_keeping_ties(model, torch.device(device) if device is not None else _default_device())
+        _recompute_unsaved_buffers(model)
+        return to_read, pieces
+
+    single = not (dist.is_available() and dist.is_initialized())
+    # pipeline stages check different tensors: one stage's problem raises on every rank before dcp's collective read
+    to_read, pieces = prepare() if single else run_agreed("load_hf_checkpoint", prepare)
     state = model.state_dict()
     for stored, name in list(to_read.items()):  # a shard that is no box: read block by block, not by dcp
         if isinstance(state[name], DTensor) and not holds_a_box(state[name]):
             pieces[name] = [whole(to_read.pop(stored), state[name].shape)]
-    single = not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():  # dcp's note that one process reads alone: what single means
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load({stored: state[name] for stored, name in to_read.items()}, storage_reader=reader, no_dist=single)
