@@ -284,7 +284,18 @@ def test_llama_refusals_name_the_cause():
             out.loss = out.logits.sum()
             return out
 
-    model = OwnLoss(model.config)
+    class ShippedWithOwnLoss(type(model)):  # type: ignore[misc]  # as transformers 5.0's Gemma 3 causal LM
+        __module__ = "transformers.models.shipped"
+
+        def forward(self, input_ids, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids)
+            out.loss = nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+            return out
+
+    with pytest.raises(ValueError, match="ShippedWithOwnLoss's forward computes its .loss with code of its own"):
+        loss_parallel_plan(ShippedWithOwnLoss(model.config), hf_tp_plan(model, tp=2))  # before any change
+
+    model = OwnLoss(model.config)  # yours: its transformers class calls loss_function, the subclass is watched
     loss_parallel_plan(model, hf_tp_plan(model, tp=2))  # no collective: installs the loss, rewrites the plan
     tokens, labels = _llama_batch()
     with pytest.raises(ValueError, match="returned a .loss without calling its loss_function"):

@@ -48,6 +48,7 @@ never a silently different function.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -420,19 +421,37 @@ def replay_loss_parallel(parallel: nn.Module, plain: nn.Module) -> None:
             setattr(models[name], "loss_function", vocab_parallel_causal_lm_loss)  # noqa: B010 (typed Tensor | Module)
 
 
+def _computes_its_own_loss(model: nn.Module) -> bool:
+    """Whether the forward of ``model``'s ``transformers`` class (the first in its MRO that defines one) never looks up
+    ``loss_function``: it computes its loss itself (transformers 5.0's Gemma 3 causal LM: ``nn.CrossEntropyLoss``). A
+    subclass of yours is watched at run time instead (:class:`_LossWatch`)."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("transformers.") and "forward" in vars(cls):
+            code = getattr(inspect.unwrap(vars(cls)["forward"]), "__code__", None)
+            return code is not None and "loss_function" not in code.co_names
+    return False
+
+
 def use_vocab_parallel_loss(model: nn.Module) -> None:
     """Make ``model`` (a ``transformers`` causal LM whose head a loss-parallel plan shards) compute its ``.loss`` with
     :func:`vocab_parallel_causal_lm_loss` (once; a ``.loss`` not computed by it is then a ``ValueError``).
 
     Raises:
         ValueError: its loss is not ``transformers``' ``ForCausalLMLoss`` (another head type, or a custom
-            ``loss_function``): no vocabulary-parallel version of it exists here.
+            ``loss_function``), or its class's forward computes the loss without it: no vocabulary-parallel
+            version of it exists here.
     """
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     current = model.loss_function
     if isinstance(getattr(current, "__self__", None), _LossWatch):
         return
+    if _computes_its_own_loss(model):
+        raise ValueError(
+            f"loss parallel: {type(model).__name__}'s forward computes its .loss with code of its own (not its "
+            "loss_function, which loss parallel replaces), which cannot take vocabulary-sharded logits; train this "
+            "model without loss_parallel"
+        )
     if current is not ForCausalLMLoss:
         name = getattr(current, "__name__", type(current).__name__)
         raise ValueError(
