@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_ndclip import _compat
@@ -42,6 +41,7 @@ from lightning_ndclip.core.loss import MicroBatchShare, local_loss_sum, loss_sha
 from lightning_ndclip.core.parallel.coverage import check_data_parallel_reduction
 from lightning_ndclip.core.parallel.hf import transformers_models
 from lightning_ndclip.core.parallel.hf_checkpoint import load_hf_checkpoint
+from lightning_ndclip.core.parallel.hf_dropout import attention_dropout, fork_split_head_dropout
 from lightning_ndclip.core.parallel.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError, check_sizes
 from lightning_ndclip.core.parallel.plan import ParallelPlan, check_plan_sizes, shared_parameters
 from lightning_ndclip.core.parallel.reduce import use_sum_reduction
@@ -331,7 +331,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._streams_checked = False
         self._unused: UnusedParameters | None = None
         self._random_streams: RandomStreams | None = None
-        self._forked_forwards: list[RemovableHandle] = []
+        self._undo_forks: list[Callable[[], None]] = []  # the random forks of fit's transformers models, undone at teardown
 
     def _transformers_model(self, module: pl.LightningModule) -> nn.Module:
         """The one ``transformers`` model in ``module`` that ``hf_checkpoint`` is loaded into."""
@@ -564,9 +564,14 @@ class NDParallelStrategy(ModelParallelStrategy):
             dist.broadcast_object_list(seed, src=0)
             self._random_streams = RandomStreams(self.meshes, seed[0], self.root_device)
             self._random_streams.seed_shared()
+            streams = self._random_streams
             if self._cuts_sequences:  # every activation of the transformers models is this cp rank's tokens
                 for _, model in transformers_models(module):
-                    self._forked_forwards += fork_forward(model, self._random_streams, "cp")
+                    self._undo_forks += [handle.remove for handle in fork_forward(model, streams, "cp")]
+            elif self.parallel_dims.tp > 1:  # each tp rank's attention heads draw their own dropout masks
+                for _, model in transformers_models(module):
+                    if attention_dropout(model) > 0:
+                        self._undo_forks.append(fork_split_head_dropout(model, lambda: streams.fork("tp")))
 
     @override
     def teardown(self) -> None:
@@ -574,9 +579,9 @@ class NDParallelStrategy(ModelParallelStrategy):
         (so a model built after ``fit`` starts equal on every rank, as one built before it)."""
         if self._random_streams is not None:
             self._random_streams.restore()
-        for handle in self._forked_forwards:
-            handle.remove()
-        self._forked_forwards = []
+        for undo in self._undo_forks:
+            undo()
+        self._undo_forks = []
         super().teardown()
 
     @property

@@ -316,14 +316,16 @@ def _attention_for(original: str) -> Callable[..., tuple[torch.Tensor, None]]:
                     f"({type(attention_mask).__name__}), which does not see the other cp ranks' tokens; train this model "
                     "without cp"
                 )
-            return _original_attention(module, original)(module, query, key, value, attention_mask, **kwargs)
+            return original_attention(module, original)(module, query, key, value, attention_mask, **kwargs)
         attention_mask.used.append(type(module).__name__)
         return _sharded_attention(attention_mask, module, query, key, value, **kwargs), None
 
     return attention
 
 
-def _original_attention(module: nn.Module, original: str) -> Callable[..., Any]:
+def original_attention(module: nn.Module, original: str) -> Callable[..., Any]:
+    """The attention function ``module`` (an attention module of a ``transformers`` model) calls under the
+    implementation named ``original``."""
     if original == "eager":  # each family's own eager function (soft-capping, sinks, ...)
         found: Callable[..., Any] = sys.modules[type(module).__module__].eager_attention_forward
         return found

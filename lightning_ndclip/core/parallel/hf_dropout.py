@@ -1,0 +1,119 @@
+"""Attention dropout over tensor-parallel heads of ``transformers`` models: each tp rank draws its own heads' masks.
+
+One device draws the dropout mask of the attention probabilities ``[batch, heads, S, S]`` at once: every head its own
+numbers. Under tensor parallelism each tp rank holds ``heads / tp`` of them, and its peers draw from the same stream
+(they must, for the dropout on activations every tp rank holds whole): without more, head ``h`` on tp rank 0 and head
+``h + heads / tp`` on tp rank 1 get the same mask, which no one-device step does (``VerifyOneDevice`` replays it
+exactly: it replays the draws the ranks made). :func:`fork_split_head_dropout` routes a model's attention through a
+function registered with ``transformers``' ``AttentionInterface`` (as ``ndclip_tp_<implementation>``) that calls the
+model's own one (its ``eager_attention_forward``, or the registered ``sdpa``...) inside a fork of the random streams
+over ``tp`` when the call drops out (``dropout > 0``) on an attention module whose weights tensor parallelism splits;
+every other call is the model's own. Only the attention probabilities' draws are forked: a dropout after the output
+projection (an output every tp rank holds whole) stays on the shared stream.
+
+Pure PyTorch and ``transformers``; the strategy installs it at ``fit``'s setup for every ``transformers`` model with
+``config.attention_dropout > 0`` and ``tp > 1``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_ndclip import _compat
+from lightning_ndclip.core.parallel.hf_context import original_attention
+
+__all__ = ["fork_split_head_dropout"]
+
+_PREFIX = "ndclip_tp_"
+_FORK: contextvars.ContextVar[Callable[[], AbstractContextManager[None]] | None] = contextvars.ContextVar(
+    "ndclip_tp_fork", default=None
+)
+"""The fork of the model being called (set around its forward)."""
+_SPLIT: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+"""Attention module -> whether tensor parallelism splits its weights (its heads), once per module."""
+
+
+def _split_over_tp(parameter: torch.Tensor) -> bool:
+    if not isinstance(parameter, DTensor):
+        return False
+    return any(dim == "tp" and p.is_shard() for dim, p in zip(parameter.device_mesh.mesh_dim_names or (), parameter.placements))
+
+
+def _splits_heads(module: nn.Module) -> bool:
+    if module not in _SPLIT:
+        _SPLIT[module] = any(_split_over_tp(p) for p in module.parameters())
+    return _SPLIT[module]
+
+
+def _register(original: str) -> str:
+    """Register the forking attention (and ``original``'s mask function) under ``ndclip_tp_<original>``; the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    def attention(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        own = original_attention(module, original)
+        fork = _FORK.get()
+        if fork is None or not kwargs.get("dropout") or not _splits_heads(module):
+            return own(module, *args, **kwargs)
+        with fork():
+            return own(module, *args, **kwargs)
+
+    name = _PREFIX + original
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
+    return name
+
+
+def fork_split_head_dropout(model: nn.Module, fork: Callable[[], AbstractContextManager[None]]) -> Callable[[], None]:
+    """Draw the attention dropout of ``model`` (a ``transformers`` model, tensor-parallelized) inside ``fork()`` on its
+    attention modules whose heads tensor parallelism splits (see the module docstring), e.g.
+    ``fork=lambda: streams.fork("tp")`` with :class:`~lightning_ndclip.core.random.RandomStreams`. Returns what undoes
+    it (the model's attention implementation back, the hooks removed).
+
+    Raises:
+        ValueError: the model's attention is not looked up by name in ``AttentionInterface`` (its dropout could not be
+            routed); before any change.
+    """
+    config = model.config
+    original = _compat.attention_implementation(config)
+    if original.startswith(_PREFIX):
+        raise ValueError(f"fork_split_head_dropout: {type(model).__name__}'s attention is forked already")
+    model.set_attn_implementation(_register(original))  # type: ignore[operator]
+    if _compat.attention_implementation(config) != _PREFIX + original:
+        model.set_attn_implementation(original)  # type: ignore[operator]
+        raise ValueError(
+            f"tp > 1 with attention dropout: {type(model).__name__} does not take its attention from transformers' "
+            "AttentionInterface, so each tp rank's heads cannot draw their own dropout masks; set "
+            "config.attention_dropout = 0.0, or train this model without tp"
+        )
+    tokens: list[contextvars.Token[Any]] = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        tokens.append(_FORK.set(fork))
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if tokens:
+            _FORK.reset(tokens.pop())
+
+    handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]
+
+    def undo() -> None:
+        for handle in handles:
+            handle.remove()
+        model.set_attn_implementation(original)  # type: ignore[operator]
+
+    return undo
+
+
+def attention_dropout(model: nn.Module) -> float:
+    """``model``'s ``config.attention_dropout`` (0 without one)."""
+    value = getattr(getattr(model, "config", None), "attention_dropout", 0.0)
+    return float(value) if isinstance(value, (int, float, torch.Tensor)) else 0.0
