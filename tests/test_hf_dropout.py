@@ -114,3 +114,19 @@ def test_in_the_trainer_tp_ranks_draw_their_own_heads_masks_and_verify_replays_t
         assert torch.equal(first["kept"][2 + micro_batch], whole)
     assert "verdict: exact" in first["report"] and "replayed" in first["report"], first["report"]
     assert first["implementation"] == "eager"  # given back at teardown
+
+
+def _compiled_plan_case() -> str:
+    meshes = ParallelDims(world_size=dist.get_world_size(), tp=2).build_mesh("cpu")
+    model = _llama("eager")
+    plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=[type(model.model.layers[0])], compile=True)
+    with pytest.raises(ValueError) as info:
+        plan.apply(model, meshes)
+    assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())  # refused before
+    return str(info.value)
+
+
+def test_compiling_blocks_whole_with_split_head_dropout_is_refused_naming_the_way_out():
+    """Dynamo failed inside the first forward ('torch.* op returned non-Tensor', on the streams' fork) on every rank."""
+    for message in run_on_ranks(2, _compiled_plan_case):
+        assert "LlamaForCausalLM drops out its attention probabilities" in message and "'fullgraph': False" in message

@@ -378,7 +378,8 @@ class ParallelPlan:
 
         Raises:
             ValueError: as :func:`parallelize`; and ``compile`` (one graph per block) with ``cp > 1`` and
-                ``kv_exchange="ring"``, whose point-to-point exchanges Dynamo does not compile.
+                ``kv_exchange="ring"``, whose point-to-point exchanges Dynamo does not compile, or with ``tp > 1`` and
+                a ``transformers`` model with attention dropout (drawn per tp rank: a switch of random streams).
         """
         if _fullgraph(self.compile) and meshes["cp"].size() > 1 and self.tp_plan == "auto" and self.kv_exchange == "ring":
             raise ValueError(
@@ -386,6 +387,18 @@ class ParallelPlan:
                 "and receives point to point, which Dynamo does not compile (a graph break per exchange); give "
                 "kv_exchange='all_gather', or compile={'fullgraph': False}"
             )
+        if _fullgraph(self.compile) and meshes["tp"].size() > 1 and self.tp_plan == "auto":
+            from lightning_ndclip.core.parallel import hf
+            from lightning_ndclip.core.parallel.hf_dropout import attention_dropout
+
+            dropping = [type(m).__name__ for _, m in hf.transformers_models(module) if attention_dropout(m) > 0]
+            if dropping:
+                raise ValueError(
+                    f"ParallelPlan(compile=...) with tp > 1: {dropping[0]} drops out its attention probabilities "
+                    "(config.attention_dropout > 0), which each tp rank draws for its own heads from a stream of its own "
+                    "(core.parallel.hf_dropout), and switching streams is no op Dynamo compiles into the block's graph; "
+                    "give compile={'fullgraph': False} (a graph break at each attention), or attention_dropout = 0.0"
+                )
         return parallelize(
             module,
             meshes,
