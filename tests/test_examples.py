@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -121,9 +122,13 @@ def test_norm_demo_matches_single_device():
 
 def test_lightning_quickstart_trains_alike_with_lightnings_launcher_and_torchrun(tmp_path):
     args = ("--max-steps", "10", "--devices", "2")
-    own = _run("lightning_quickstart.py", *args, "--logdir", str(tmp_path / "own"), cwd=tmp_path)
     torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
-    elastic = _run("lightning_quickstart.py", *args, "--logdir", str(tmp_path / "torchrun"), cwd=tmp_path, launcher=torchrun)
+    with ThreadPoolExecutor(2) as pool:  # the two launches at once: each spends most of its time importing
+        own_run = pool.submit(_run, "lightning_quickstart.py", *args, "--logdir", str(tmp_path / "own"), cwd=tmp_path)
+        elastic_run = pool.submit(
+            _run, "lightning_quickstart.py", *args, "--logdir", str(tmp_path / "torchrun"), cwd=tmp_path, launcher=torchrun
+        )
+        own, elastic = own_run.result(), elastic_run.result()
     assert _summary(own, steps=10) == _summary(elastic, steps=10)  # seeded: the same run, whoever starts the ranks
     own_norms, elastic_norms = (_scalars(tmp_path / d / "quickstart")["grad_norm/total"] for d in ("own", "torchrun"))
     assert len(own_norms) == 2 and own_norms == elastic_norms  # logged every 5 steps

@@ -242,17 +242,23 @@ def _families() -> dict[str, str]:
     return {**MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, **VARIANTS}
 
 
+def print_outcomes(outcomes: dict[str, tuple[str, str, float, float]]) -> dict[str, int]:
+    """Print a sweep's table (``pytest -s`` shows it), one family a line, by outcome; the count of each outcome."""
+    print()
+    for family, (outcome, detail, error, tolerance) in sorted(outcomes.items(), key=lambda item: (item[1][0], item[0])):
+        print(f"{outcome:9s} {family:28s} {error:9.2e} / {tolerance:.0e}  {detail[:200]}")
+    counts: dict[str, int] = {}
+    for outcome, *_ in outcomes.values():
+        counts[outcome] = counts.get(outcome, 0) + 1
+    print(counts, f"transformers {transformers.__version__}")
+    return counts
+
+
 def test_every_causal_lm_family_is_exact_or_refused():
     results = run_on_ranks(2, _sweep, _families(), timeout=300)
     assert results[0] == results[1] or {f: r[0] for f, r in results[0].items()} == {f: r[0] for f, r in results[1].items()}
     outcomes = results[0]
-    print()
-    for family, (outcome, detail, error, tolerance) in sorted(outcomes.items(), key=lambda item: (item[1][0], item[0])):
-        print(f"{outcome:9s} {family:28s} {error:9.2e} / {tolerance:.0e}  {detail[:150]}")
-    counts: dict[str, int] = {}
-    for outcome, *_ in outcomes.values():
-        counts[outcome] = counts.get(outcome, 0) + 1
-    print(counts)
+    counts = print_outcomes(outcomes)
     failures = {f: r for f, r in outcomes.items() if r[0] in ("WRONG", "CRASHED") and f not in KNOWN_WRONG}
     assert not failures
     assert counts.get("EXACT", 0) >= MIN_EXACT

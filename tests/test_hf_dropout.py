@@ -30,6 +30,11 @@ def _llama(implementation: str) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config).double()
 
 
+def _masks_cases(implementation: str) -> tuple[dict, dict]:
+    """The same forward without the fork and with it."""
+    return _masks_case(False, implementation), _masks_case(True, implementation)
+
+
 def _masks_case(forked: bool, implementation: str) -> dict:
     meshes = ParallelDims(world_size=dist.get_world_size(), tp=2).build_mesh("cpu")
     model = _llama(implementation)
@@ -54,8 +59,8 @@ def _masks_case(forked: bool, implementation: str) -> dict:
 
 @pytest.mark.parametrize("implementation", ["eager"])
 def test_each_tp_rank_draws_its_own_heads_attention_dropout(implementation):
-    naive = run_on_ranks(2, _masks_case, False, implementation)
-    forked = run_on_ranks(2, _masks_case, True, implementation)
+    (naive_0, forked_0), (naive_1, forked_1) = run_on_ranks(2, _masks_cases, implementation)
+    naive, forked = (naive_0, naive_1), (forked_0, forked_1)
     # without the fork: head h on rank 0 and head h + 2 on rank 1 dropped out alike (the masks are the same numbers)
     assert torch.equal(naive[0]["kept"], naive[1]["kept"])
     # forked: the two head groups' masks differ, each about half kept, as one device's heads' masks

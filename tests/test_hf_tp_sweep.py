@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
+from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
@@ -162,7 +163,10 @@ def _one(family: str, architecture: str) -> tuple[str, str, float, float]:
     return "WRONG", f"logits {errors[0]:.0e}; wrong: {', '.join(wrong)}", error, tolerance
 
 
-def _sweep(families: dict[str, str]) -> dict[str, tuple[str, str, float, float]]:
+def _sweep(families: dict[str, str], one: Callable[[str, str], tuple[str, str, float, float]] | None = None) -> dict:
+    """``one(family, architecture)`` (default: :func:`_one`) of every family on this rank, the tiny configs of both
+    sweeps applied, warnings and DTensor's redistribution notes silenced."""
+    one = one or _one
     results = {}
     redistribute = _compat.redistribute_logger()  # "2 sequential all_gather" notes
     level = redistribute.level
@@ -172,7 +176,7 @@ def _sweep(families: dict[str, str]) -> dict[str, tuple[str, str, float, float]]
             warnings.simplefilter("ignore")
             transformers.logging.set_verbosity_error()
             for family, architecture in families.items():
-                results[family] = _one(family, architecture)
+                results[family] = one(family, architecture)
     finally:
         redistribute.setLevel(level)
     return results
@@ -210,13 +214,7 @@ def _merged(per_rank: list[dict[str, tuple[str, str, float, float]]]) -> dict[st
 
 def test_every_causal_lm_family_with_a_plan_is_exact_or_refused_under_tp():
     outcomes = _merged(run_on_ranks(2, _sweep, _families(), timeout=600))
-    print()
-    for family, (outcome, detail, error, tolerance) in sorted(outcomes.items(), key=lambda item: (item[1][0], item[0])):
-        print(f"{outcome:9s} {family:28s} {error:9.2e} / {tolerance:.0e}  {detail[:200]}")
-    counts: dict[str, int] = {}
-    for outcome, *_ in outcomes.values():
-        counts[outcome] = counts.get(outcome, 0) + 1
-    print(counts, f"transformers {transformers.__version__}")
+    counts = cp_sweep.print_outcomes(outcomes)
     fixed = [f for f in KNOWN if f in outcomes and outcomes[f][0] in ("EXACT", "REFUSED")]
     if fixed:
         print(f"in KNOWN, EXACT or REFUSED on this release: {fixed}")
