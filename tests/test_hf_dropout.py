@@ -41,7 +41,7 @@ def _masks_case(forked: bool, implementation: str) -> dict:
     parallelize(model, meshes, tp_plan="auto")
     streams = RandomStreams(meshes, seed=7)
     streams.seed_shared()
-    undo = fork_split_head_dropout(model, lambda: streams.fork("tp")) if forked else (lambda: None)
+    undo = fork_split_head_dropout(model, meshes["tp"].get_local_rank()) if forked else (lambda: None)
     kept: list[torch.Tensor] = []
     hook = model.model.layers[0].self_attn.register_forward_hook(lambda m, a, out: kept.append(out[1] != 0))
     try:
@@ -96,10 +96,12 @@ class _DroppingLlama(L.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens, tokens), batch_size=2)
 
 
-def _trainer_case() -> dict:
+def _trainer_case(recompute: bool) -> dict:
     use_existing_process_group()
     module = _DroppingLlama()
-    strategy = nd.NDParallelStrategy(tp=2, plan=nd.ParallelPlan(tp_plan="auto"), loss_normalization="token_mean", summary=False)
+    layers = [type(module.lm.model.layers[0])] if recompute else []
+    plan = nd.ParallelPlan(tp_plan="auto", activation_checkpointing=layers)
+    strategy = nd.NDParallelStrategy(tp=2, plan=plan, loss_normalization="token_mean", summary=False)
     verify = nd.VerifyOneDevice()
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, accumulate_grad_batches=2, logger=False,
                         callbacks=[verify], enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -107,16 +109,23 @@ def _trainer_case() -> dict:
     return {"kept": module.kept, "report": verify.report, "implementation": module.lm.config._attn_implementation}
 
 
-def test_in_the_trainer_tp_ranks_draw_their_own_heads_masks_and_verify_replays_them_exactly():
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
+def test_in_the_trainer_tp_ranks_draw_their_own_heads_masks_and_verify_replays_them_exactly(recompute):
     """``NDParallelStrategy(tp=2, plan=ParallelPlan(tp_plan="auto"))`` on a Llama with ``attention_dropout=0.5``: the two
     head groups' masks differ in every forward, and ``VerifyOneDevice``'s one-process replay of the step, drawing the
-    ranks' masks, is exact."""
-    first, second = run_on_ranks(2, _trainer_case)
-    assert len(second["kept"]) == 2 and len(first["kept"]) == 4  # 2 micro-batches; rank 0 also replays them whole
+    ranks' masks, is exact. With the decoder layers recomputed in backward (``activation_checkpointing``) the
+    recomputation draws the forward's masks again (masks from a stream that had moved on: gradients up to 170 % off), and
+    the model runs without its cache in training (a recomputed layer appended its keys to the cache twice: a shape
+    error in backward)."""
+    first, second = run_on_ranks(2, _trainer_case, recompute)
+    assert len(second["kept"]) == 2 * (1 + recompute) and len(first["kept"]) == 4 + 2 * recompute  # + the replay
     assert all(not torch.equal(a, b) for a, b in zip(first["kept"], second["kept"]))
-    for micro_batch in range(2):  # one device's masks in the replay: the two head groups' masks side by side
-        whole = torch.cat([first["kept"][micro_batch], second["kept"][micro_batch]], dim=1)
-        assert torch.equal(first["kept"][2 + micro_batch], whole)
+    replay = first["kept"][-2:]
+    for micro_batch, forward in enumerate((0, 1 + recompute)):  # one device's masks: the head groups' side by side
+        whole = torch.cat([first["kept"][forward], second["kept"][forward]], dim=1)
+        assert torch.equal(replay[micro_batch], whole)
+        if recompute:  # the recomputation's masks are the forward's
+            assert torch.equal(first["kept"][forward + 1], first["kept"][forward])
     assert "verdict: exact" in first["report"] and "replayed" in first["report"], first["report"]
     assert first["implementation"] == "eager"  # given back at teardown
 

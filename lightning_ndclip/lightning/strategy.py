@@ -571,7 +571,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             elif self.parallel_dims.tp > 1:  # each tp rank's attention heads draw their own dropout masks
                 for _, model in transformers_models(module):
                     if attention_dropout(model) > 0:
-                        self._undo_forks.append(fork_split_head_dropout(model, lambda: streams.fork("tp")))
+                        self._undo_forks.append(fork_split_head_dropout(model, self.meshes["tp"].get_local_rank()))
 
     @override
     def teardown(self) -> None:

@@ -49,7 +49,7 @@ never a silently different function.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -419,6 +419,25 @@ def replay_loss_parallel(parallel: nn.Module, plain: nn.Module) -> None:
     for name, model in parallel.named_modules():
         if isinstance(getattr(getattr(model, "loss_function", None), "__self__", None), _LossWatch) and name in models:
             setattr(models[name], "loss_function", vocab_parallel_causal_lm_loss)  # noqa: B010 (typed Tensor | Module)
+
+
+def recompute_without_cache(module: nn.Module, recomputed: Collection[nn.Module]) -> None:
+    """Make every ``transformers`` model in ``module`` holding a module of ``recomputed`` (layers whose activations are
+    recomputed in backward) run its training forwards with ``use_cache=False``, as ``transformers``' own gradient
+    checkpointing does: a recomputed layer would otherwise append its keys and values to the call's cache a second
+    time and attend to twice the sequence (a shape error in backward). Forwards in eval mode (``generate``) keep their
+    cache."""
+    kept = {id(m) for m in recomputed}
+    for _, model in transformers_models(module):
+        takes = "use_cache" in inspect.signature(model.forward).parameters
+        if takes and any(id(m) in kept for m in model.modules()):
+            model.register_forward_pre_hook(_without_cache, with_kwargs=True)
+
+
+def _without_cache(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
+    if not module.training:
+        return None
+    return args, {**kwargs, "use_cache": False}
 
 
 def _computes_its_own_loss(model: nn.Module) -> bool:

@@ -6,10 +6,13 @@ numbers. Under tensor parallelism each tp rank holds ``heads / tp`` of them, and
 ``h + heads / tp`` on tp rank 1 get the same mask, which no one-device step does (``VerifyOneDevice`` replays it
 exactly: it replays the draws the ranks made). :func:`fork_split_head_dropout` routes a model's attention through a
 function registered with ``transformers``' ``AttentionInterface`` (as ``ndclip_tp_<implementation>``) that calls the
-model's own one (its ``eager_attention_forward``, or the registered ``sdpa``...) inside a fork of the random streams
-over ``tp`` when the call drops out (``dropout > 0``) on an attention module whose weights tensor parallelism splits;
-every other call is the model's own. Only the attention probabilities' draws are forked: a dropout after the output
-projection (an output every tp rank holds whole) stays on the shared stream.
+model's own one (its ``eager_attention_forward``, or the registered ``sdpa``...) with the random generators seeded, for
+the call, from where the shared stream is and this rank's tp coordinate, when the call drops out (``dropout > 0``) on
+an attention module whose weights tensor parallelism splits; every other call is the model's own. The shared stream
+then moves on to a state seeded from where it was, alike on the tp peers. Both depend on the generators' state alone,
+so a recomputation in backward (activation checkpointing restores that state) draws the same masks. Only the
+attention probabilities' draws are per rank: a dropout after the output projection (an output every tp rank holds
+whole) stays on the shared stream.
 
 Pure PyTorch and ``transformers``; the strategy installs it at ``fit``'s setup for every ``transformers`` model with
 ``config.attention_dropout > 0`` and ``tp > 1``.
@@ -17,10 +20,9 @@ Pure PyTorch and ``transformers``; the strategy installs it at ``fit``'s setup f
 
 from __future__ import annotations
 
-import contextvars
+import hashlib
 import weakref
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -33,10 +35,8 @@ from lightning_ndclip.core.parallel.hf_context import original_attention
 __all__ = ["fork_split_head_dropout"]
 
 _PREFIX = "ndclip_tp_"
-_FORK: contextvars.ContextVar[Callable[[], AbstractContextManager[None]] | None] = contextvars.ContextVar(
-    "ndclip_tp_fork", default=None
-)
-"""The fork of the model being called (set around its forward)."""
+_RANKS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+"""Module of a model :func:`fork_split_head_dropout` set up -> this rank's tp coordinate."""
 _SPLIT: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 """Attention module -> whether tensor parallelism splits its weights (its heads), once per module."""
 
@@ -53,18 +53,43 @@ def _splits_heads(module: nn.Module) -> bool:
     return _SPLIT[module]
 
 
+def _seed(state: bytes, *parts: object) -> int:
+    return int.from_bytes(hashlib.sha256(repr((state, *parts)).encode()).digest()[:8], "little") >> 1
+
+
+def _generators_state(device: torch.device) -> bytes:
+    """The state of the CPU's generator and of ``device``'s (read on the host: no device synchronization)."""
+    state = torch.get_rng_state().numpy().tobytes()
+    if device.type != "cpu":
+        state += getattr(torch, device.type).get_rng_state(device).numpy().tobytes()
+    return state
+
+
+def _seed_generators(seed: int, device: torch.device) -> None:
+    torch.random.default_generator.manual_seed(seed)
+    if device.type != "cpu":
+        getattr(torch, device.type).manual_seed(seed)  # the current device's generator: this rank's
+
+
 def _register(original: str) -> str:
-    """Register the forking attention (and ``original``'s mask function) under ``ndclip_tp_<original>``; the name."""
+    """Register the attention with per-rank dropout (and ``original``'s mask function) under ``ndclip_tp_<original>``;
+    the name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    def attention(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def attention(module: nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         own = original_attention(module, original)
-        fork = _FORK.get()
-        if fork is None or not kwargs.get("dropout") or not _splits_heads(module):
-            return own(module, *args, **kwargs)
-        with fork():
-            return own(module, *args, **kwargs)
+        rank = _RANKS.get(module)
+        if rank is None or not kwargs.get("dropout") or not _splits_heads(module):
+            return own(module, query, *args, **kwargs)
+        device = query.device
+        state = _generators_state(device)
+        accelerators = [device] if device.type != "cpu" else []
+        with torch.random.fork_rng(devices=accelerators, device_type=device.type if accelerators else "cuda"):
+            _seed_generators(_seed(state, "heads", rank), device)  # this rank's heads: numbers of their own
+            output = own(module, query, *args, **kwargs)
+        _seed_generators(_seed(state, "next"), device)  # the shared stream moves on, alike on the tp peers
+        return output
 
     name = _PREFIX + original
     AttentionInterface.register(name, attention)
@@ -72,11 +97,12 @@ def _register(original: str) -> str:
     return name
 
 
-def fork_split_head_dropout(model: nn.Module, fork: Callable[[], AbstractContextManager[None]]) -> Callable[[], None]:
-    """Draw the attention dropout of ``model`` (a ``transformers`` model, tensor-parallelized) inside ``fork()`` on its
-    attention modules whose heads tensor parallelism splits (see the module docstring), e.g.
-    ``fork=lambda: streams.fork("tp")`` with :class:`~lightning_ndclip.core.random.RandomStreams`. Returns what undoes
-    it (the model's attention implementation back, the hooks removed).
+def fork_split_head_dropout(model: nn.Module, tp_rank: int) -> Callable[[], None]:
+    """Draw the attention dropout of ``model`` (a ``transformers`` model, tensor-parallelized) per tp rank on its
+    attention modules whose heads tensor parallelism splits (see the module docstring); ``tp_rank``: this rank's
+    coordinate on the tp mesh dim. The tp peers' generators must be alike (as the strategy seeds them:
+    :meth:`~lightning_ndclip.core.random.RandomStreams.seed_shared`). Returns what undoes it (the model's attention
+    implementation back).
 
     Raises:
         ValueError: the model's attention is not looked up by name in ``AttentionInterface`` (its dropout could not be
@@ -94,20 +120,13 @@ def fork_split_head_dropout(model: nn.Module, fork: Callable[[], AbstractContext
             "AttentionInterface, so each tp rank's heads cannot draw their own dropout masks; set "
             "config.attention_dropout = 0.0, or train this model without tp"
         )
-    tokens: list[contextvars.Token[Any]] = []
-
-    def enter(module: nn.Module, args: Any) -> None:
-        tokens.append(_FORK.set(fork))
-
-    def leave(module: nn.Module, args: Any, output: Any) -> None:
-        if tokens:
-            _FORK.reset(tokens.pop())
-
-    handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]
+    modules = list(model.modules())
+    for module in modules:
+        _RANKS[module] = tp_rank
 
     def undo() -> None:
-        for handle in handles:
-            handle.remove()
+        for module in modules:
+            _RANKS.pop(module, None)
         model.set_attn_implementation(original)  # type: ignore[operator]
 
     return undo

@@ -7,6 +7,7 @@ A plain function, readable top to bottom, and the plan object that holds its arg
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -198,6 +199,10 @@ def parallelize(
     if tp_plan:
         tensor_parallelize(module, meshes["tp"], tp_plan)
     wrappers = _replace_children(module, tuple(activation_checkpointing)) if activation_checkpointing else {}
+    if wrappers and "transformers" in sys.modules:  # a transformers model's checkpointed layers: no cache in training
+        from lightning_ndclip.core.parallel import hf
+
+        hf.recompute_without_cache(module, wrappers.values())
     fsdp_kwargs: dict[str, Any] = {"mesh": meshes["fsdp"]}
     if mp_policy is not None:
         fsdp_kwargs["mp_policy"] = mp_policy
@@ -379,7 +384,7 @@ class ParallelPlan:
         Raises:
             ValueError: as :func:`parallelize`; and ``compile`` (one graph per block) with ``cp > 1`` and
                 ``kv_exchange="ring"``, whose point-to-point exchanges Dynamo does not compile, or with ``tp > 1`` and
-                a ``transformers`` model with attention dropout (drawn per tp rank: a switch of random streams).
+                a ``transformers`` model with attention dropout (drawn per tp rank: generators seeded in the step).
         """
         if _fullgraph(self.compile) and meshes["cp"].size() > 1 and self.tp_plan == "auto" and self.kv_exchange == "ring":
             raise ValueError(
@@ -395,8 +400,8 @@ class ParallelPlan:
             if dropping:
                 raise ValueError(
                     f"ParallelPlan(compile=...) with tp > 1: {dropping[0]} drops out its attention probabilities "
-                    "(config.attention_dropout > 0), which each tp rank draws for its own heads from a stream of its own "
-                    "(core.parallel.hf_dropout), and switching streams is no op Dynamo compiles into the block's graph; "
+                    "(config.attention_dropout > 0), which each tp rank draws for its own heads with its generators seeded "
+                    "for the call (core.parallel.hf_dropout), and seeding is no op Dynamo compiles into the block's graph; "
                     "give compile={'fullgraph': False} (a graph break at each attention), or attention_dropout = 0.0"
                 )
         return parallelize(
