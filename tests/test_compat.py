@@ -13,9 +13,10 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -141,9 +142,11 @@ def test_compat_uses_only_registered_private_names() -> None:
 # --- no private name outside _compat ---------------------------------------------------------------
 
 
-def _own_private_names() -> set[str]:
+@functools.cache
+def _own_private_names() -> frozenset[str]:
     """The private names the package defines itself (outside ``_compat``): functions, classes,
-    module / class / local names, and attributes assigned on ``self`` / ``cls``."""
+    module / class / local names, and attributes assigned on ``self`` / ``cls`` (the package's sources, read once per
+    session: every per-module test below asks)."""
     own: set[str] = set()
     for path in MODULES:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -158,10 +161,10 @@ def _own_private_names() -> set[str]:
                 and node.value.id in ("self", "cls")
             ):
                 own.add(node.attr)
-    return {n for n in own if _private(n)} - _registered_components()
+    return frozenset({n for n in own if _private(n)} - _registered_components())
 
 
-def _private_uses(path: Path, own: set[str], everything: bool = False) -> Iterator[tuple[int, str, str]]:
+def _private_uses(path: Path, own: Collection[str], everything: bool = False) -> Iterator[tuple[int, str, str]]:
     """``(line, private name, code)`` for every use in ``path`` of a private name not in ``own``:
     imports from private torch / Lightning modules or of private names, attribute accesses, and
     string attribute names given to ``getattr`` / ``hasattr`` / ``setattr`` / ``delattr`` /

@@ -670,35 +670,32 @@ def test_a_stage_that_fails_to_parallelize_raises_on_every_rank():
 
 
 class _PlannedPipelinedLM(_PipelinedLM):
-    """Pipelined by the strategy with a declarative tp plan written for the whole model (its entries name modules of
-    both stages); ``loss_parallel``: its per-token losses from ``vocab_parallel_cross_entropy`` on the head's shards."""
+    """Pipelined by the strategy with a declarative loss-parallel tp plan written for the whole model (its entries name
+    modules of both stages); its per-token losses from ``vocab_parallel_cross_entropy`` on the head's shards."""
 
-    def __init__(self, tied: bool, loss_parallel: bool) -> None:
+    def __init__(self, tied: bool) -> None:
         super().__init__()
-        self.model, self.dp, self.loss_parallel, self.sharded = TinyLM(tied=tied), 1, loss_parallel, set()
+        self.model, self.dp, self.sharded = TinyLM(tied=tied), 1, set()
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if not self.loss_parallel:
-            return super().pipeline_loss(output, target)
         if isinstance(output, DTensor):  # this rank's block of the vocabulary
             self.sharded.add(tuple(output.to_local().shape))
         return nd.vocab_parallel_cross_entropy(output, target)
 
 
-def _planned_pp_case(tied: bool, loss_parallel: bool, embed: bool) -> dict:
+def _planned_pp_case(tied: bool, embed: bool) -> dict:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     use_existing_process_group()
-    module = _PlannedPipelinedLM(tied, loss_parallel)
+    module = _PlannedPipelinedLM(tied)
     plan = {f"layers.{i}": ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(4)}
     plan["head"] = ColwiseParallel(output_layouts=Replicate())
     if embed:  # the vocabulary split of a tied embedding (as the head's)
         plan["embed"] = RowwiseParallel(input_layouts=Replicate())
     ties = [("embed.weight", "head.weight")] if tied else []
     strategy = nd.NDParallelStrategy(
-        pp=2, tp=2, loss_normalization="token_mean",
-        plan=nd.ParallelPlan(tp_plan=plan, loss_parallel=loss_parallel),
+        pp=2, tp=2, loss_normalization="token_mean", plan=nd.ParallelPlan(tp_plan=plan, loss_parallel=True),
         pipeline=nd.PipelineOptions(split_points=["layers.2"], microbatches=2, tied_parameters=ties),
     )  # fmt: skip
     try:
@@ -708,24 +705,23 @@ def _planned_pp_case(tied: bool, loss_parallel: bool, embed: bool) -> dict:
     return {"params": r["params"], "norms": r["norms"], "sharded": sorted(module.sharded)}
 
 
-@pytest.mark.parametrize(
-    ("tied", "loss_parallel"), [(False, False), (False, True), (True, True)], ids=["gathered", "loss_parallel", "tied"]
-)
-def test_a_declarative_tp_plan_for_the_whole_model_applies_to_each_stage(tied, loss_parallel):
-    """pp=2 x tp=2: each stage takes the plan's entries naming its modules (the head's on the last stage: with
-    loss_parallel its logits stay vocabulary-sharded, 6 + 5 of 11); the clipped update equals one device's (float64)."""
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_declarative_loss_parallel_plan_for_the_whole_model_applies_to_each_stage(tied):
+    """pp=2 x tp=2: each stage takes the plan's entries naming its modules (the layers' on both, the head's on the last,
+    whose logits stay vocabulary-sharded, 6 + 5 of 11; a tied embedding's on the first); the clipped update equals one
+    device's (float64). Before, the first stage refused the head's entry alone and the last one waited for it (a
+    hang)."""
     ref_norms, expected = _reference_steps(2, tied=tied)
-    results = run_on_ranks(4, _planned_pp_case, tied, loss_parallel, tied)
-    for rank, r in enumerate(results):
+    for rank, r in enumerate(run_on_ranks(4, _planned_pp_case, tied, tied)):
         _assert_norms_match(r["norms"], ref_norms)
         _assert_params_match(r["params"], expected)
         last = rank >= 2  # pp rank 1: ranks 2 and 3, tp ranks 0 and 1
-        assert r["sharded"] == ([(2, 6, 6 - rank % 2)] if loss_parallel and last else []), r["sharded"]
+        assert r["sharded"] == ([(2, 6, 6 - rank % 2)] if last else []), r["sharded"]
 
 
 def test_stages_sharding_a_tied_parameter_differently_are_refused_on_every_rank():
     """A vocabulary-sharded head tied to an embedding the plan leaves whole on the other stage: summing the copies'
     local gradients would add different slices (or fail inside gloo, their sizes differ)."""
-    for r in run_on_ranks(4, _planned_pp_case, True, True, False):
+    for r in run_on_ranks(4, _planned_pp_case, True, False):
         assert "['embed.weight', 'head.weight'] are one parameter" in r["error"], r
         assert "pp rank 0: ('whole',)" not in r["error"] and "pp rank 1: (" in r["error"], r["error"]
