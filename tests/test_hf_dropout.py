@@ -15,6 +15,7 @@ from helpers import use_existing_process_group
 transformers = pytest.importorskip("transformers")
 
 import lightning_ndclip as nd  # noqa: E402
+from lightning_ndclip import _compat  # noqa: E402
 from lightning_ndclip.core.parallel.hf_dropout import fork_split_head_dropout  # noqa: E402
 from lightning_ndclip.core.parallel.mesh import ParallelDims  # noqa: E402
 from lightning_ndclip.core.parallel.plan import parallelize  # noqa: E402
@@ -53,7 +54,7 @@ def _masks_case(forked: bool, implementation: str) -> dict:
         hook.remove()
         undo()
         streams.restore()
-    implementation_after = model.config._attn_implementation
+    implementation_after = _compat.attention_implementation(model.config)
     return {"kept": kept[0], "hidden": hidden.detach(), "state": state, "implementation": implementation_after}
 
 
@@ -106,7 +107,7 @@ def _trainer_case(recompute: bool) -> dict:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, accumulate_grad_batches=2, logger=False,
                         callbacks=[verify], enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module)
-    return {"kept": module.kept, "report": verify.report, "implementation": module.lm.config._attn_implementation}
+    return {"kept": module.kept, "report": verify.report, "implementation": _compat.attention_implementation(module.lm.config)}
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
