@@ -99,7 +99,7 @@ def test_the_core_reaches_no_lightning_name_directly_or_lazily():
 _MAY_IMPORT = {  # each part of the core, and the other parts it may import (lightning_ndclip/core/__init__.py)
     "norm": {"parallel.mesh", "agree"},
     "loss": {"agree"},
-    "parallel": {"context", "agree"},
+    "parallel": {"context", "agree", "random"},
     "context": set(),
     "pipeline": {"parallel.hf_pipeline", "agree"},
     "experts": {"parallel.expert_parallel"},

@@ -9,7 +9,8 @@ checks it):
 - :mod:`~lightning_ndclip.core.loss`: the exact loss normalization (counts, weights, shares); imports ``agree``;
 - :mod:`~lightning_ndclip.core.parallel`: the mesh and the parallel wrapping (tensor and expert parallel, FSDP2
   plans, Hugging Face plans and checkpoints) and its checks (coverage, replicas, summary, SUM
-  reductions); imports ``context`` (the attention of ``transformers`` models cut along the sequence) and ``agree``;
+  reductions); imports ``context`` (the attention of ``transformers`` models cut along the sequence), ``agree`` and
+  ``random`` (the attention dropout of tensor-parallel heads);
 - :mod:`~lightning_ndclip.core.context`: context parallelism (sequence shards, ring attention); imports nothing else;
 - :mod:`~lightning_ndclip.core.pipeline`: pipeline stages and schedules; imports ``parallel.hf_pipeline`` (the stages
   of a ``transformers`` model, only for one) and ``agree`` (a stage failing to build raises on every rank);

@@ -37,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_ndclip.core.parallel.mesh import ParallelMeshes
 
-__all__ = ["RandomStreams", "fork_forward"]
+__all__ = ["RandomStreams", "fork_forward", "seeded_from_state"]
 
 _FORKABLE = ("cp", "tp")
 """The mesh dims a draw can be split over: the ranks of the others hold other samples or layers anyway."""
@@ -134,6 +134,30 @@ class RandomStreams:
 
     def _accelerator(self):  # noqa: ANN202 - torch.cuda, torch.xpu...: the module of the device's generator
         return getattr(torch, self.device.type) if self.device is not None else torch
+
+
+@contextmanager
+def seeded_from_state(device: torch.device, *parts: object) -> Iterator[None]:
+    """Draws inside come from the CPU's and ``device``'s generators seeded from where they are now and ``parts`` (e.g.
+    a tp coordinate): numbers of their own per ``parts`` on ranks whose generators are alike, and the same numbers again
+    wherever that state is restored (activation checkpointing's recomputation). Afterwards the generators move on to a
+    state seeded from where they were, alike on ranks that were alike. Reads the generators' states on the host (no
+    device synchronization)."""
+    accelerator = getattr(torch, device.type) if device.type != "cpu" else None
+    state = torch.get_rng_state().numpy().tobytes()
+    if accelerator is not None:
+        state += accelerator.get_rng_state(device).numpy().tobytes()
+
+    def seed(value: int) -> None:
+        torch.random.default_generator.manual_seed(value)
+        if accelerator is not None:
+            accelerator.manual_seed(value)  # the current device's generator: this rank's
+
+    devices = [device] if accelerator is not None else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        seed(_mix(state, *parts))
+        yield
+    seed(_mix(state, "next"))
 
 
 def fork_forward(module: nn.Module, streams: RandomStreams, *dims: str) -> list[RemovableHandle]:

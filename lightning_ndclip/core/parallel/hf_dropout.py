@@ -7,7 +7,8 @@ numbers. Under tensor parallelism each tp rank holds ``heads / tp`` of them, and
 exactly: it replays the draws the ranks made). :func:`fork_split_head_dropout` routes a model's attention through a
 function registered with ``transformers``' ``AttentionInterface`` (as ``ndclip_tp_<implementation>``) that calls the
 model's own one (its ``eager_attention_forward``, or the registered ``sdpa``...) with the random generators seeded, for
-the call, from where the shared stream is and this rank's tp coordinate, when the call drops out (``dropout > 0``) on
+the call, from where the shared stream is and this rank's tp coordinate
+(:func:`~lightning_ndclip.core.random.seeded_from_state`), when the call drops out (``dropout > 0``) on
 an attention module whose weights tensor parallelism splits; every other call is the model's own. The shared stream
 then moves on to a state seeded from where it was, alike on the tp peers. Both depend on the generators' state alone,
 so a recomputation in backward (activation checkpointing restores that state) draws the same masks. Only the
@@ -20,7 +21,6 @@ Pure PyTorch and ``transformers``; the strategy installs it at ``fit``'s setup f
 
 from __future__ import annotations
 
-import hashlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_ndclip import _compat
 from lightning_ndclip.core.parallel.hf_context import original_attention
+from lightning_ndclip.core.random import seeded_from_state
 
 __all__ = ["fork_split_head_dropout"]
 
@@ -53,24 +54,6 @@ def _splits_heads(module: nn.Module) -> bool:
     return _SPLIT[module]
 
 
-def _seed(state: bytes, *parts: object) -> int:
-    return int.from_bytes(hashlib.sha256(repr((state, *parts)).encode()).digest()[:8], "little") >> 1
-
-
-def _generators_state(device: torch.device) -> bytes:
-    """The state of the CPU's generator and of ``device``'s (read on the host: no device synchronization)."""
-    state = torch.get_rng_state().numpy().tobytes()
-    if device.type != "cpu":
-        state += getattr(torch, device.type).get_rng_state(device).numpy().tobytes()
-    return state
-
-
-def _seed_generators(seed: int, device: torch.device) -> None:
-    torch.random.default_generator.manual_seed(seed)
-    if device.type != "cpu":
-        getattr(torch, device.type).manual_seed(seed)  # the current device's generator: this rank's
-
-
 def _register(original: str) -> str:
     """Register the attention with per-rank dropout (and ``original``'s mask function) under ``ndclip_tp_<original>``;
     the name."""
@@ -82,14 +65,8 @@ def _register(original: str) -> str:
         rank = _RANKS.get(module)
         if rank is None or not kwargs.get("dropout") or not _splits_heads(module):
             return own(module, query, *args, **kwargs)
-        device = query.device
-        state = _generators_state(device)
-        accelerators = [device] if device.type != "cpu" else []
-        with torch.random.fork_rng(devices=accelerators, device_type=device.type if accelerators else "cuda"):
-            _seed_generators(_seed(state, "heads", rank), device)  # this rank's heads: numbers of their own
-            output = own(module, query, *args, **kwargs)
-        _seed_generators(_seed(state, "next"), device)  # the shared stream moves on, alike on the tp peers
-        return output
+        with seeded_from_state(query.device, "heads", rank):  # this rank's heads: numbers of their own
+            return own(module, query, *args, **kwargs)
 
     name = _PREFIX + original
     AttentionInterface.register(name, attention)
