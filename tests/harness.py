@@ -9,6 +9,12 @@ processes are kept; the least recently used pool is shut down to make room.
 A task that raises on some rank, hangs, or leaves the group unusable breaks its pool: the
 pool's processes are killed and it is recreated transparently on the next call.
 
+A task leaves its workers as it found them: every process group it created (``DeviceMesh`` dims,
+flattened meshes, ``new_group``) is destroyed when it returns (each gloo group keeps threads spinning
+in the worker: left alone they piled up to thousands and slowed the whole suite to a crawl), and a
+task after which a worker holds more threads than it started with fails, naming the task and the
+threads.
+
 Usage (``fn`` must be a module-level function; it is imported by name in the workers)::
 
     def _sum_ranks():
@@ -23,8 +29,10 @@ Usage (``fn`` must be a module-level function; it is imported by name in the wor
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import faulthandler
+import gc
 import importlib
 import importlib.util
 import os
@@ -53,6 +61,8 @@ ERROR_GRACE_S = 5.0
 """After a rank raised, how long the other ranks may take to answer before the pool is killed."""
 STARTUP_TIMEOUT_S = 180.0
 """How long a new pool may take until every rank has joined the process group."""
+THREAD_SETTLE_S = 10.0
+"""After a task's process groups are destroyed, how long their threads may take to end."""
 COLLECTIVE_TIMEOUT_S = 60.0
 """The workers' process-group timeout (gloo's default is 30 minutes): a collective that some rank
 never joins raises on the ranks waiting in it, inside a task's default 120 s."""
@@ -82,25 +92,34 @@ class RankFailure(AssertionError):
     """A task raised on some rank, or not every rank answered in time."""
 
 
-def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list:
+def run_on_ranks(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, retire_pool: bool = False, **kwargs: Any
+) -> list:
     """Run ``fn(*args, **kwargs)`` on every rank of a gloo group; return the results, indexed by rank.
 
-    Arguments and results are pickled. Raises :class:`RankFailure` if a rank raises or if not
-    every rank has answered (returned and passed the post-task barrier) within ``timeout`` s.
+    Arguments and results are pickled. Raises :class:`RankFailure` if a rank raises, if not
+    every rank has answered (returned and passed the post-task clean-up) within ``timeout`` s, or if a
+    rank holds more threads after the clean-up than a clean worker. ``retire_pool=True``: the workers
+    are replaced after the task instead of checked, for a task whose meshes stay referenced where no
+    clean-up reaches (``torch.compile``'s traced graphs and guards hold the meshes they saw).
     """
     if not 1 <= world_size <= MAX_WORKERS:
         raise ValueError(f"world_size must be in [1, {MAX_WORKERS}], got {world_size}")
     module, qualname = fn.__module__, fn.__qualname__
     if module == "__main__" or "<" in qualname:
         raise ValueError(f"{module}.{qualname} is not a module-level function; workers cannot import it")
-    task = pickle.dumps((module, qualname, args, kwargs))
+    task = pickle.dumps((module, qualname, args, kwargs, not retire_pool))
     pool = _pool_for(world_size)
     try:
-        return pool.run(f"{module}.{qualname}", task, timeout)
+        results = pool.run(f"{module}.{qualname}", task, timeout)
     except BaseException:
-        del _pools[world_size]
-        pool.shutdown()
+        retire_pool = True
         raise
+    finally:
+        if retire_pool:
+            del _pools[world_size]
+            pool.shutdown()
+    return results
 
 
 def ranks_agree(obj: Any) -> bool:
@@ -286,11 +305,13 @@ def _worker_main(rank: int, world_size: int, store: str, conn: connection.Connec
             sys.path.insert(0, path)
     stacks = open(stack_file, "w")  # noqa: SIM115 - kept open for the worker's lifetime
     torch.set_num_threads(1)
+    with contextlib.suppress(ImportError):
+        import tqdm  # noqa: PLC0415 - where installed (Lightning's progress bars)
+
+        tqdm.tqdm.monitor_interval = 0  # no monitor thread: it would outlive the task that drew the first bar
+    world = _World(rank, world_size, store)
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, init_method=f"file://{store}",
-            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        )
+        world.join()
     except BaseException:
         conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         raise
@@ -305,7 +326,7 @@ def _worker_main(rank: int, world_size: int, store: str, conn: connection.Connec
         faulthandler.unregister(signal.SIGUSR1)  # register() alone would not re-install it
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
         try:
-            module, qualname, args, kwargs = pickle.loads(task)
+            module, qualname, args, kwargs, check_threads = pickle.loads(task)
             fn: Any = importlib.import_module(module)
             for attr in qualname.split("."):
                 fn = getattr(fn, attr)
@@ -315,17 +336,94 @@ def _worker_main(rank: int, world_size: int, store: str, conn: connection.Connec
         sys.stdout.flush()
         sys.stderr.flush()
         conn.send_bytes(reply)
-        if ok:  # a raising rank skips the barrier: its pool is killed anyway
-            conn.send_bytes(pickle.dumps(_post_task_barrier()))
+        if ok:  # a raising rank skips the clean-up: its pool is killed anyway
+            conn.send_bytes(pickle.dumps(world.after_task(f"{module}.{qualname}", check_threads)))
 
 
-def _post_task_barrier() -> tuple[str, str | None]:
-    """Check that every rank is back in step after a task."""
-    try:
-        dist.barrier()
-    except BaseException:
-        return "error", "post-task barrier failed:\n" + traceback.format_exc()
-    return "clean", None
+class _World:
+    """This worker's default process group, and the clean-up after each task."""
+
+    def __init__(self, rank: int, world_size: int, store: str) -> None:
+        self.rank, self.world_size, self._store = rank, world_size, store
+        self._generation = 0
+        self._baseline: collections.Counter[str] = collections.Counter()
+
+    def join(self) -> None:
+        """Join the gloo group of every rank; the first time, note the threads a clean worker has."""
+        dist.init_process_group(
+            "gloo", rank=self.rank, world_size=self.world_size,
+            init_method=f"file://{self._store}.{self._generation}", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        dist.barrier()  # the group's threads start at its first collective
+        if not self._baseline:
+            torch.ones(1, requires_grad=True).sum().backward()  # autograd's device threads start once, for good
+            gc.freeze()  # what the imports made lives for good: the clean-up's gc.collect() skips it
+            self._baseline = _threads()
+
+    def after_task(self, task: str, check_threads: bool) -> tuple[str, str | None]:
+        """Destroy the process groups ``task`` created, then check every rank is back in step and (``check_threads``)
+        holds no more threads than a clean worker. Collective; ``("clean", None)`` or ``("error", why)``."""
+        try:
+            created = torch.tensor([len(_registered_groups()) > 1])  # non-members of a group have none to destroy
+            dist.all_reduce(created, op=dist.ReduceOp.MAX)  # also the barrier that says every rank is back
+            if created.item():
+                dist.destroy_process_group()  # every group, the default one too: caches keyed by it let go of theirs
+                _clear_mesh_caches()
+                gc.collect()
+                self._generation += 1
+                self.join()
+        except BaseException:
+            return "error", "post-task clean-up failed:\n" + traceback.format_exc()
+        if not check_threads:
+            return "clean", None
+        leaked = _threads() - self._baseline
+        deadline = time.monotonic() + THREAD_SETTLE_S
+        while leaked and time.monotonic() < deadline:
+            time.sleep(0.05)
+            gc.collect()
+            leaked = _threads() - self._baseline
+        if leaked:
+            return "error", (f"{task} left {sum(leaked.values())} more threads than a clean worker holds on rank "
+                             f"{self.rank} ({dict(leaked)}, by name): stop or join what it started")
+        return "clean", None
+
+
+def _registered_groups() -> list[Any]:
+    """This rank's live process groups, the default one included (no public torch name lists them)."""
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def _clear_mesh_caches() -> None:
+    """Empty the caches that keep device meshes, and with them their destroyed process groups and each one's
+    gloo threads, alive: torch.distributed's (DTensor's sharding propagation and redistribution plans, keyed by
+    meshes) and the package's (``PerProcessGroup``), found by what they are (a ``cache_clear``, a dict named
+    ``*cache*``), so that a torch release that adds or renames one is covered too."""
+    torch.compiler.reset()  # compiled graphs hold the meshes their DTensors were traced on
+    clear_dtensor = getattr(importlib.import_module("torch.distributed.tensor.debug"), "_clear_sharding_prop_cache", None)
+    if clear_dtensor is not None:
+        clear_dtensor()
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(("torch.distributed", "lightning_ndclip")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, dict) and "cache" in attr.lower():
+                value.clear()
+            elif isinstance(value, type) and value.__module__ == name:  # a class defined here: its cached methods
+                for member in vars(value).values():
+                    member = getattr(member, "__func__", member)  # a staticmethod's or classmethod's function
+                    if callable(getattr(member, "cache_clear", None)):
+                        member.cache_clear()
+            elif not isinstance(value, type) and callable(getattr(value, "cache_clear", None)):
+                value.cache_clear()
+
+
+def _threads() -> collections.Counter[str]:
+    """This process's threads, counted by name."""
+    names: collections.Counter[str] = collections.Counter()
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            names[Path(f"/proc/self/task/{task}/comm").read_text().strip()] += 1
+    return names
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:

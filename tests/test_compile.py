@@ -164,7 +164,7 @@ def test_the_declarative_plan_compiles_its_blocks_with_no_graph_break_and_exact(
     """``parallelize(..., compile=...)`` (``ParallelPlan(compile=...)``): the tp plan with the package's styles,
     activation checkpointing and FSDP2 units, each block compiled with ``fullgraph=True``; the first forward under
     the split-activation watch runs eagerly."""
-    for result in run_on_ranks(2, _plan_case):
+    for result in run_on_ranks(2, _plan_case, retire_pool=True):
         assert result["counts"]["breaks"] == {}
         assert result["counts"]["graphs"] >= 1 and result["counts"]["graphs_in_first"] == 0
         assert result["exact"]
@@ -189,7 +189,7 @@ def test_tensor_parallelize_on_blocks_compiled_first_has_no_graph_break_and_is_e
     """``torch.compile(block, fullgraph=True)`` before ``tensor_parallelize``: the plan's keys reach the layers inside
     the wrappers (``blocks.0._orig_mod.q``), and the compiled step equals the uncompiled one. The old view hook broke
     the graph at every tensor-parallel layer."""
-    for result in run_on_ranks(2, _tensor_parallelize_case):
+    for result in run_on_ranks(2, _tensor_parallelize_case, retire_pool=True):
         assert result["counts"]["breaks"] == {}
         assert result["counts"]["graphs"] >= 1 and result["counts"]["graphs_in_first"] == 0
         assert result["exact"]
@@ -236,7 +236,7 @@ def _llama_case() -> dict[str, Any]:
 
 def test_tp_plan_auto_on_a_transformers_llama_compiles_with_no_graph_break_and_exact():
     pytest.importorskip("transformers")
-    for result in run_on_ranks(2, _llama_case):
+    for result in run_on_ranks(2, _llama_case, retire_pool=True):
         assert result["counts"]["breaks"] == {}
         assert result["counts"]["graphs"] >= 1
         assert result["exact"]

@@ -85,7 +85,7 @@ def _runs() -> dict[str, dict[str, Any]]:
 
 
 def test_blocks_compiled_by_the_plan_or_in_configure_model_train_as_uncompiled_with_no_graph_break():
-    for runs in run_on_ranks(2, _runs):
+    for runs in run_on_ranks(2, _runs, retire_pool=True):
         eager = runs.pop("eager")
         assert eager["graphs"] == 0 and len(eager["losses"]) == STEPS
         for how, run in runs.items():

@@ -111,6 +111,9 @@ def _run_block(source: str, options: dict) -> None:
                 _fixture(options["after"])(namespace)
         finally:
             os.chdir(cwd)
+            # the block's classes outlive it (fully_shard keeps the FSDP class it made of each), and through their
+            # functions' globals, this namespace and the meshes of what the block built
+            namespace.clear()
 
 
 @pytest.mark.parametrize("source, options", _blocks())

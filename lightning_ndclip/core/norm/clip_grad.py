@@ -55,14 +55,16 @@ from lightning_ndclip.core.agree import host_reads_are_free
 from lightning_ndclip.core.norm._cache import NormPlans, PlanEntry, layout_key
 from lightning_ndclip.core.norm._plan import NormPlanError, build_plan
 from lightning_ndclip.core.norm._runs import RunFinder, dim0_paddings
+from lightning_ndclip.core.parallel.mesh import PerProcessGroup
 
 __all__ = ["GradNorms", "NormPlans", "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm", "grad_norms"]
 
 _GRAD = operator.attrgetter("grad")
 _EPS = 1e-6  # as in torch.nn.utils.clip_grad_norm_
 
-_default_plans = NormPlans()
-"""The caches of every call that passes ``plans=None``."""
+_default_plans = PerProcessGroup(NormPlans)
+"""The caches of every call that passes ``plans=None`` (for the default process group of the moment: a plan holds
+the meshes and process groups it was agreed over)."""
 
 
 @dataclass(frozen=True)
@@ -240,7 +242,7 @@ def clip_grads_with_norm_(
         replica = all(p.is_replicate() for p in total_norm.placements)
         total_norm = total_norm.to_local() if replica else total_norm.full_tensor()
     grads = [g for g in _read_grads(_as_tensor_list(parameters)) if g is not None]
-    plans = _default_plans if plans is None else plans
+    plans = _default_plans.get() if plans is None else plans
     finder, padding = plans.scale_runs.get(layout_key(grads), lambda: (RunFinder(), dim0_paddings(grads)))
     _scale_(finder.runs(local_tensors(grads), [True] * len(grads), padding).to_scale, _clip_coef(max_norm, total_norm), foreach)
 
@@ -337,7 +339,7 @@ def _global_norm(
     """The one call path of the public functions. A non-finite total is computed again in float64
     (``retry_overflow``; every rank sees the same total, so all do), rather than always accumulating
     in float64, which cost 4-16x on CPU (``benchmarks/results/local_norm_cpu_2_threads.md``)."""
-    plans = _default_plans if plans is None else plans
+    plans = _default_plans.get() if plans is None else plans
     names_key, ties_key = (None if x is None else tuple(x) for x in (names, tie_keys))
     key = (layout_key(grads), names_key, ties_key, request.pp_mesh, request.group)
     entry = plans.plans.get(key, partial(_agreed_plan, plans, grads, names, tie_keys, request))

@@ -26,7 +26,9 @@ written for it finds ``self.device_mesh["data_parallel"]`` and ``["tensor_parall
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -67,8 +69,32 @@ class _WorldMesh(DeviceMesh):
         return super().__getitem__(names)
 
 
-_BUILT: dict[tuple, ParallelMeshes] = {}
-"""The meshes built in this process, by (default process group, device type, shape, ep)."""
+V = TypeVar("V")
+
+
+class PerProcessGroup(Generic[V]):
+    """A value kept for the default process group of the moment: made by ``make()`` on first use, and made
+    again once that group has been re-created (``dist.destroy_process_group()``, then ``init_process_group``),
+    so that nothing made for the old group (meshes, their process groups, plans agreed over them) is used with
+    the new one. :meth:`cache_clear` drops it at once (until then it keeps the old group's meshes, and each of
+    their gloo groups its threads)."""
+
+    def __init__(self, make: Callable[[], V]) -> None:
+        self._make = make
+        self._kept: tuple[Any, V] | None = None  # (the default process group, the value made for it)
+
+    def get(self) -> V:
+        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        if self._kept is None or self._kept[0] is not world:
+            self._kept = (world, self._make())
+        return self._kept[1]
+
+    def cache_clear(self) -> None:
+        self._kept = None
+
+
+_built: PerProcessGroup[dict[tuple, ParallelMeshes]] = PerProcessGroup(dict)
+"""The meshes built in this process for the default process group, by (device type, shape, ep)."""
 
 
 class _SizeMismatchError(ValueError, RuntimeError):
@@ -181,13 +207,11 @@ class ParallelDims:
         Built once per layout and default process group: a later call (a second Trainer in the same
         process) returns the same meshes, so no process groups pile up and DTensors made on them
         stay valid. Collective on the first call of a layout."""
-        world_group = dist.group.WORLD
-        for stale in [k for k in _BUILT if k[0] is not world_group]:  # the process group was re-created
-            del _BUILT[stale]
-        key = (world_group, device_type, self.shape, self.ep)
-        if key not in _BUILT:
-            _BUILT[key] = self._new_mesh(device_type)
-        return _BUILT[key]
+        built = _built.get()
+        key = (device_type, self.shape, self.ep)
+        if key not in built:
+            built[key] = self._new_mesh(device_type)
+        return built[key]
 
     def _new_mesh(self, device_type: str, first: int = 0) -> ParallelMeshes:
         ranks = torch.arange(first, first + self.world_size, dtype=torch.int).reshape(self.shape)
