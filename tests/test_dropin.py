@@ -35,7 +35,7 @@ from lightning_ndclip import NDParallelStrategy, ParallelPlan, PipelineOptions
         (dict(tensor_parallel_size=2, tp=2), TypeError, "tensor_parallel_size (Lightning's name for tp) or tp=2"),
         (dict(tp=2, fsdp_units=[torch.nn.Linear]), TypeError, "fsdp_units=...) is now plan=ParallelPlan(fsdp_units=...)"),
         (dict(pp=2, pp_schedule="gpipe"), TypeError, "pp_schedule=...) is now pipeline=PipelineOptions(schedule=...)"),
-        (dict(plan=ParallelPlan(tp_plan={"a": ColwiseParallel()})), ValueError, "plan=ParallelPlan(tp_plan=...) needs tp > 1"),
+        (dict(plan=ParallelPlan(tp_plan={"a": ColwiseParallel()})), ValueError, "plan=ParallelPlan(tp_plan={...}) needs tp > 1"),
         (dict(pp=2, pipeline=PipelineOptions(split_points=["a", "b"])), ValueError, "2 stages need 1 PipelineOptions("),
     ],
 )

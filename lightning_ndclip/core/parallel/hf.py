@@ -48,7 +48,9 @@ never a silently different function.
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import sys
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -148,19 +150,28 @@ _INSTALL = "pip install 'lightning_ndclip[hf]'"
 
 
 def transformers_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost ``transformers`` models inside ``module`` (itself included), with their names."""
-    try:
-        from transformers import PreTrainedModel
-    except ModuleNotFoundError:
-        raise ImportError(
-            f"tp_plan='auto' applies the plans of Hugging Face transformers models, and transformers is not "
-            f"installed: {_INSTALL}"
-        ) from None
+    """The outermost ``transformers`` models inside ``module`` (itself included), with their names; none where
+    ``transformers`` is not installed, or not imported (no model of it can exist before its model classes are)."""
+    modeling = sys.modules.get("transformers.modeling_utils")  # where every transformers model class comes from
+    pretrained = getattr(modeling, "PreTrainedModel", None)
+    if pretrained is None:
+        return []
     found: list[tuple[str, nn.Module]] = []
     for name, child in module.named_modules():
-        if isinstance(child, PreTrainedModel) and not any(name.startswith(f"{outer}.") or not outer for outer, _ in found):
+        if isinstance(child, pretrained) and not any(name.startswith(f"{outer}.") or not outer for outer, _ in found):
             found.append((name, child))
     return found
+
+
+def require_transformers(feature: str) -> None:
+    """Raise the ``ImportError`` that names the extra to install, where ``feature`` needs ``transformers`` and it
+    is not installed."""
+    try:
+        importlib.import_module("transformers")
+    except ModuleNotFoundError:
+        raise ImportError(
+            f"{feature} needs Hugging Face transformers, which is not installed: {_INSTALL}"
+        ) from None
 
 
 def _check_heads(name: str, model: nn.Module, tp: int) -> None:
@@ -272,6 +283,7 @@ def hf_tp_plan(module: nn.Module, tp: int | None = None) -> dict[str, ParallelSt
             if made is not None:
                 plan[f"{prefix}.{key}" if prefix else key] = made
     if not plan:
+        require_transformers(f"tp_plan='auto' on {type(module).__name__}, which holds no model of another library,")
         found = ", ".join(f"{name or '(the module)'}: {type(m).__name__}" for name, m in models) or "none"
         raise ValueError(
             f"tp_plan='auto' found no Hugging Face transformers model with a tensor-parallel plan in "
@@ -321,6 +333,7 @@ def hf_ep_plan(module: nn.Module) -> dict[str, ParallelStyle]:
             weights = [k[len(key) + 1 :] for k, style in entries.items() if style == _EP_WEIGHT and k.startswith(f"{key}.")]
             plan[f"{prefix}.{key}" if prefix else key] = ExpertParallel(weights=weights or None)
     if not plan:
+        require_transformers(f"tp_plan='auto' on {type(module).__name__}, which holds no model of another library,")
         found = ", ".join(f"{name or '(the module)'}: {type(m).__name__}" for name, m in models) or "none"
         raise ValueError(
             f"ep > 1 with tp_plan='auto' found no Hugging Face transformers model with an expert-parallel plan "

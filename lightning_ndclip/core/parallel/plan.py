@@ -31,12 +31,10 @@ __all__ = ["ParallelPlan", "check_plan_sizes", "parallelize"]
 
 
 def check_plan_sizes(tp_plan: Mapping[str, ParallelStyle] | Literal["auto"] | None, tp: int, ep: int, cp: int = 1) -> None:
-    """A tp plan needs ``tp > 1``, except ``tp_plan="auto"`` with ``ep > 1`` or ``cp > 1``: the models' expert-parallel
-    plans, or their context parallelism, alone."""
-    if tp_plan and tp == 1 and not (tp_plan == "auto" and (ep > 1 or cp > 1)):
-        raise ValueError(
-            "plan=ParallelPlan(tp_plan=...) needs tp > 1 (tp_plan='auto': or ep > 1 or cp > 1); set tp > 1 or drop tp_plan"
-        )
+    """A tp plan of its own needs ``tp > 1``; ``tp_plan="auto"`` (the models' own plans) fits any mesh, and applies
+    what the mesh has dims for (tensor parallelism on ``tp``, experts on ``ep``, sequences cut on ``cp``)."""
+    if isinstance(tp_plan, Mapping) and tp_plan and tp == 1:
+        raise ValueError("plan=ParallelPlan(tp_plan={...}) needs tp > 1; set tp > 1 or drop tp_plan")
 
 
 def _replace_children(module: nn.Module, classes: tuple[type[nn.Module], ...]) -> dict[nn.Module, nn.Module]:
@@ -177,6 +175,7 @@ def parallelize(
 
             models = hf.transformers_models(module)
             if not models:
+                hf.require_transformers(f"tp_plan='auto' with cp > 1 on {type(module).__name__}")
                 raise ValueError(
                     f"tp_plan='auto' with cp > 1 cuts the sequences of transformers models, and {type(module).__name__} "
                     "holds none: give your own model's attention context_parallel_attention and drop tp_plan='auto'"
