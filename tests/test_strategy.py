@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import os
+
 import lightning as L
 import pytest
 import torch
 from harness import run_on_ranks
 from lightning.pytorch.strategies import StrategyRegistry
-from test_callbacks import STEPS, MlpModule, Recorder, _reference, use_existing_process_group
+from test_callbacks import LOCAL_BATCH, LR, STEPS, MlpModule, Recorder, _data, _reference, use_existing_process_group
 from test_loss import TokenModel, _packed_batch, _token_losses
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -687,3 +689,96 @@ def test_the_steady_state_has_three_all_reduces_per_step():
     all_gather_object, not counted here). The epoch's last step reads no next window."""
     for per_step in run_on_ranks(2, _all_reduces_per_step_case):
         assert per_step[1:] == [3, 3, 2], per_step  # the first step also holds Lightning's setup (loader lengths)
+
+
+def _threads_over_fits(fits: int) -> list[int]:
+    use_existing_process_group()
+    counts = []
+    for _ in range(fits):
+        module = MlpModule(tp=True)
+        trainer = _trainer(NDParallelStrategy(dp_shard=2, tp=2, summary=False), devices=4, logger=False,
+                           callbacks=[GlobalNormClip(1.0)])
+        trainer.fit(module)
+        del trainer, module
+        counts.append(len(os.listdir("/proc/self/task")))
+    return counts
+
+
+def test_fits_in_one_process_hold_no_more_threads_after_the_first():
+    """A notebook or a sweep fits again and again in one process: the meshes (and their gloo groups, each with threads
+    of its own) are built once per layout, so the threads after the fifth fit are those after the first."""
+    for counts in run_on_ranks(4, _threads_over_fits, 5):
+        assert counts == [counts[0]] * 5, counts
+
+
+class _WholeMlp(L.LightningModule):
+    """Written as for one device: no configure_model, no plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = MlpModule(tp=False).net
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def train_dataloader(self):
+        return DataLoader(_data(), batch_size=LOCAL_BATCH, shuffle=False)
+
+
+def _whole_module_case(sizes: dict) -> dict:
+    use_existing_process_group()
+    module = _WholeMlp()
+    strategy = NDParallelStrategy(**sizes)
+    trainer = _trainer(strategy, devices=4, callbacks=[GlobalNormClip(0.3)], logger=False)
+    trainer.fit(module)
+    return {"params": {n: p.full_tensor() for n, p in module.net.named_parameters()},
+            "summary": str(strategy.parallel_summary()), "units": sum(isinstance(m, FSDPModule) for m in module.modules())}
+
+
+@pytest.mark.parametrize("sizes", [dict(dp_shard=4), dict(dp_replicate=4, dp_shard=1), dict(dp_replicate=2, dp_shard=2)],
+                         ids=["dp_shard4", "dp_replicate4", "hsdp"])
+def test_data_parallel_sizes_alone_shard_the_whole_module_as_one_unit(sizes):
+    _, ref_params = _reference(4, max_norm=0.3)
+    for r in run_on_ranks(4, _whole_module_case, sizes):
+        assert r["units"] == 1 and "plan=ParallelPlan(fsdp_units=[YourBlock])" in r["summary"]
+        for name, value in r["params"].items():
+            assert torch.allclose(value, ref_params[f"{name}"], rtol=1e-12, atol=1e-14), name
+
+
+def _no_plan_with_tp_case() -> str:
+    use_existing_process_group()
+    with pytest.raises(TypeError) as info:
+        _trainer(NDParallelStrategy(dp_shard=2, tp=2), devices=4, logger=False).fit(_WholeMlp())
+    return str(info.value)
+
+
+def test_tp_without_a_plan_or_configure_model_still_asks_for_one():
+    for message in run_on_ranks(4, _no_plan_with_tp_case):
+        assert "configure_model()" in message and "plan=ParallelPlan(" in message
+
+
+class _UnseededDataMlp(MlpModule):
+    """A dataset each rank draws for itself, differently (as from unseeded random numbers)."""
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(100 + self.global_rank)
+        x, y = torch.randn(16, 6, generator=g, dtype=torch.float64), torch.randn(16, 3, generator=g, dtype=torch.float64)
+        data = TensorDataset(x, y)
+        return DataLoader(data, batch_size=LOCAL_BATCH)
+
+
+def _unseeded_data_case() -> str:
+    use_existing_process_group()
+    with pytest.raises(ValueError) as info:
+        _trainer(NDParallelStrategy(dp_shard=2, tp=2), devices=4, logger=False).fit(_UnseededDataMlp(tp=True))
+    return str(info.value)
+
+
+def test_tp_peers_fed_different_batches_are_named_at_the_first_step():
+    for message in run_on_ranks(4, _unseeded_data_case):
+        assert "ranks [0, 1] are tp peers and must train on the same batch" in message, message
+        assert "rank 1 received another batch than rank 0" in message

@@ -45,7 +45,7 @@ from lightning_ndclip.core.parallel.hf_dropout import attention_dropout, fork_sp
 from lightning_ndclip.core.parallel.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError, check_sizes
 from lightning_ndclip.core.parallel.plan import ParallelPlan, check_plan_sizes, shared_parameters
 from lightning_ndclip.core.parallel.reduce import use_sum_reduction
-from lightning_ndclip.core.parallel.replicas import broadcast_replicas_, check_replica_gradients
+from lightning_ndclip.core.parallel.replicas import broadcast_replicas_, check_peers_fed_alike, check_replica_gradients
 from lightning_ndclip.core.parallel.split_activations import watch_split_activations
 from lightning_ndclip.core.parallel.summary import ParallelSummary, summarize
 from lightning_ndclip.core.parallel.tensor_parallel import check_ties, tied_parameters
@@ -328,6 +328,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._ties: list[tuple[str, ...]] = []
         self._replica_gradients_checked = False
         self._first_forward_watched = False
+        self._batches_checked = False
         self._streams_checked = False
         self._unused: UnusedParameters | None = None
         self._random_streams: RandomStreams | None = None
@@ -619,7 +620,7 @@ class NDParallelStrategy(ModelParallelStrategy):
                     "gradients are summed over their stages after training_step returns, and manual optimization "
                     "steps before that, each copy on its own stage's gradient"
                 )
-        elif self._plan:
+        elif self._plan or self._whole_module_unit(module):
             self._apply_declarative_plan(module)
         elif not is_overridden("configure_model", module):
             raise TypeError(
@@ -627,6 +628,16 @@ class NDParallelStrategy(ModelParallelStrategy):
                 "in the LightningModule and apply parallelization there, or to give the strategy a declarative "
                 "plan (plan=ParallelPlan(fsdp_units=..., tp_plan=...))."
             )
+
+    def _whole_module_unit(self, module: pl.LightningModule) -> bool:
+        """Whether ``module`` becomes one FSDP2 unit as it is (as Lightning's ``FSDPStrategy`` shards a module): only
+        data-parallel sizes given (``dp_shard`` / ``dp_replicate``), no plan, no ``configure_model``; with tp, cp, pp or
+        ep the strategy cannot guess the rest, and with no size at all it stays Lightning's ``ModelParallelStrategy``,
+        which asks for ``configure_model``."""
+        sizes = self._sizes
+        data_given = sizes["dp_shard"] != -1 or sizes["dp_replicate"] > 1
+        others = max(sizes["tp"], sizes["cp"], sizes["pp"], sizes["ep"]) > 1
+        return data_given and not others and not is_overridden("configure_model", module)
 
     def parallel_summary(self) -> ParallelSummary:
         """What was parallelized how, and the data side (see the ``summary`` argument); ``str()`` of it
@@ -643,6 +654,12 @@ class NDParallelStrategy(ModelParallelStrategy):
         else:
             per_step = f"(the dataloader has no batch_size) x dp={dims.batch_size} ranks x {k} accumulated"
         summary.notes.append(f"Data: samples per optimizer step: {per_step}")
+        if not self._plan and self._whole_module_unit(self._module):
+            summary.notes.append(
+                "FSDP2: the whole module is one unit (no plan, no configure_model): its parameters are gathered all at "
+                "once; plan=ParallelPlan(fsdp_units=[YourBlock]) gathers one block at a time, overlapping communication "
+                "with compute and holding less memory"
+            )
         if self._pipeline is not None:
             config = self._pp
             summary.notes.append(
@@ -704,6 +721,9 @@ class NDParallelStrategy(ModelParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Runs ``training_step`` with FSDP2 reducing only on the last micro-batch of an accumulation
         window and, with ``loss_normalization``, scales its loss to its share of the global mean."""
+        if not self._batches_checked:  # tp, cp and pipeline peers must see one batch
+            self._batches_checked = True
+            check_peers_fed_alike(args[0] if args else kwargs.get("batch"), self.meshes.world)
         share = self._micro_batch_share()
         self._set_gradient_sync(share.ends_window or self._unused is not None)
         if self._pipeline is not None:

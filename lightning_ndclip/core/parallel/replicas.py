@@ -13,7 +13,8 @@ plain tensors, when the caller says over which ranks they are copies).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_ndclip._compat import StridedShard, local_tensors
 
-__all__ = ["broadcast_replicas_", "check_replica_gradients"]
+__all__ = ["broadcast_replicas_", "check_peers_fed_alike", "check_replica_gradients"]
 
 
 def _source(mesh: DeviceMesh, dim: int) -> int:
@@ -139,3 +140,53 @@ def check_replica_gradients(module: nn.Module, tp_mesh: DeviceMesh, rtol: float 
         "SequenceParallel(sequence_dim=<the split dim>, use_local_output=True). Or randomness differs between the tp "
         "ranks (dropout drawn from unequal seeds): seed every rank alike (lightning.seed_everything)"
     )
+
+
+def _tensors_of(batch: Any) -> list[torch.Tensor]:
+    """The tensors in ``batch`` (nested mappings, lists and tuples), in a fixed order."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for key in sorted(batch, key=str) for t in _tensors_of(batch[key])]
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
+        return [t for item in batch for t in _tensors_of(item)]
+    return []
+
+
+def _digest(batch: Any) -> list[tuple]:
+    """Per tensor of ``batch``: its shape, dtype, and float64 sum and position-weighted sum (equal batches give
+    equal digests; a reordering or another draw almost surely another)."""
+    digest = []
+    for t in _tensors_of(batch):
+        flat = t.detach().reshape(-1).double()
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+        digest.append((tuple(t.shape), str(t.dtype), float(flat.sum()), float((flat * weights).sum())))
+    return digest
+
+
+def check_peers_fed_alike(batch: Any, world: DeviceMesh, dims: Sequence[str] = ("pp", "cp", "tp")) -> None:
+    """Raise ``ValueError`` on every rank if ranks that must train on the same batch (the peers along each of
+    ``dims`` of the ``world`` mesh: tensor-parallel ranks compute one layer together, context-parallel ranks cut one
+    sequence, pipeline stages pass one micro-batch on) received different ones, naming the dim and the ranks.
+
+    Peers fed differently train on a mix of batches no one device would see, and the first sign of it would come
+    later and blame something else (the tp copies' gradients differ, as a plan that leaves a module whole on split
+    activations makes them). Collective over the world (one ``all_gather_object`` of a small digest per rank); call
+    it on every rank with its batch, once, at the first step: it reads the batch on the host."""
+    names = list(world.mesh_dim_names or ())
+    peered = [d for d in dims if d in names and world.mesh.shape[names.index(d)] > 1]
+    if not peered:
+        return
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, _digest(batch))
+    for dim in peered:
+        axis = names.index(dim)
+        for peers in world.mesh.movedim(axis, -1).reshape(-1, world.mesh.shape[axis]).tolist():
+            apart = [rank for rank in peers if everyone[rank] != everyone[peers[0]]]
+            if apart:
+                raise ValueError(
+                    f"ranks {peers} are {dim} peers and must train on the same batch, and at the first step rank "
+                    f"{apart[0]} received another batch than rank {peers[0]}: build the dataset alike on every rank "
+                    "(seed it, e.g. lightning.seed_everything(0) before making it, or make it in the LightningModule's "
+                    "setup from a seed) and let the strategy's sampler give the data ranks their parts"
+                )
