@@ -76,7 +76,7 @@ except ModuleNotFoundError as missing:
         raise AttributeError(f"module 'lightning_ndclip' has no attribute {name!r}")
 
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "HF_STYLES",
