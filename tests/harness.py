@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
@@ -402,19 +403,25 @@ def _clear_mesh_caches() -> None:
     clear_dtensor = getattr(importlib.import_module("torch.distributed.tensor.debug"), "_clear_sharding_prop_cache", None)
     if clear_dtensor is not None:
         clear_dtensor()
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith(("torch.distributed", "lightning_ndclip")):
-            continue
-        for attr, value in list(vars(module).items()):
-            if isinstance(value, dict) and "cache" in attr.lower():
-                value.clear()
-            elif isinstance(value, type) and value.__module__ == name:  # a class defined here: its cached methods
-                for member in vars(value).values():
-                    member = getattr(member, "__func__", member)  # a staticmethod's or classmethod's function
-                    if callable(getattr(member, "cache_clear", None)):
-                        member.cache_clear()
-            elif not isinstance(value, type) and callable(getattr(value, "cache_clear", None)):
-                value.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # reading a deprecated module attribute warns (torch.distributed.reduce_op)
+        for name, module in list(sys.modules.items()):
+            if module is not None and name.startswith(("torch.distributed", "lightning_ndclip")):
+                _clear_caches_of(name, module)
+
+
+def _clear_caches_of(name: str, module: Any) -> None:
+    """Empty the caches defined in ``module`` (see :func:`_clear_mesh_caches`)."""
+    for attr, value in list(vars(module).items()):
+        if isinstance(value, dict) and "cache" in attr.lower():
+            value.clear()
+        elif isinstance(value, type) and value.__module__ == name:  # a class defined here: its cached methods
+            for member in vars(value).values():
+                member = getattr(member, "__func__", member)  # a staticmethod's or classmethod's function
+                if callable(getattr(member, "cache_clear", None)):
+                    member.cache_clear()
+        elif not isinstance(value, type) and callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
 
 
 def _threads() -> collections.Counter[str]:

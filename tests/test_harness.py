@@ -105,3 +105,37 @@ def test_hang_is_reported_with_stack_and_pool_recovers() -> None:
     rank_1_stack = message.split("---- rank 1 did not answer; its stack ----")[1]
     assert "in _sleep_on_rank_1" in rank_1_stack
     assert run_on_ranks(2, _rank_info, "again", scale=torch.ones(1))[1][:3] == (1, 2, "again")
+
+
+def _make_groups() -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    dist.all_reduce(torch.ones(1), group=mesh["a"].get_group())
+    dist.barrier(dist.new_group([0, 1]))
+    return len(os.listdir("/proc/self/task"))
+
+
+def _thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_tasks_process_groups_are_destroyed_when_it_returns():
+    before = run_on_ranks(4, _thread_count)
+    during = run_on_ranks(4, _make_groups)
+    assert all(d > b for d, b in zip(during, before))  # each gloo group runs threads of its own
+    for _ in range(3):  # and they go when the task does: no growth from task to task
+        run_on_ranks(4, _make_groups)
+    assert run_on_ranks(4, _thread_count) == before
+
+
+def _leak_a_thread() -> None:
+    import threading
+
+    stop = threading.Event()
+    threading.Thread(target=stop.wait, name="left-behind", daemon=True).start()
+
+
+def test_a_task_that_leaves_a_thread_fails_naming_itself() -> None:
+    with pytest.raises(RankFailure, match=r"_leak_a_thread left 1 more threads than a clean worker holds"):
+        run_on_ranks(2, _leak_a_thread)
