@@ -12,6 +12,7 @@ backward and optimizer step, and is waited for before the next window's first fo
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_ndclip.core.agree import call_hook
+from lightning_ndclip.core.agree import AgreedError, call_hook
 from lightning_ndclip.core.loss import MicroBatchShare, sync_sample_weights, sync_token_count
 
 if TYPE_CHECKING:
@@ -112,6 +113,15 @@ class LossWindows:
         epoch's end (the next epoch may accumulate differently)."""
         if self._issued is None and self._window[1] < self._trainer.num_training_batches:
             self._decide_window(self._window[1])
+
+    def close(self) -> None:
+        """Wait for the counts' all-reduce of a window decided ahead that no step will use (training ended before
+        it), so that no collective is left in flight once ``fit`` returns (a process group destroyed then would
+        keep a thread waiting in it). A problem in those counts is no one's: training is over."""
+        issued, self._issued = self._issued, None
+        if issued is not None:
+            with contextlib.suppress(AgreedError):
+                issued.shares()
 
     def _read_batch(self, snapshot: bool) -> bool:
         """Read the loader's next batch into ``_unwindowed``; ``False`` at its end. ``snapshot``: the batch

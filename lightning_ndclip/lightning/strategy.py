@@ -578,6 +578,8 @@ class NDParallelStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         """As Lightning's, and the random generators given back as they were before ``fit`` seeded the step's streams
         (so a model built after ``fit`` starts equal on every rank, as one built before it)."""
+        if self._windows is not None:  # no count's all-reduce left in flight
+            self._windows.close()
         if self._random_streams is not None:
             self._random_streams.restore()
         for undo in self._undo_forks:
