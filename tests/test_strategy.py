@@ -10,7 +10,7 @@ import pytest
 import torch
 from harness import run_on_ranks
 from lightning.pytorch.strategies import StrategyRegistry
-from test_callbacks import LOCAL_BATCH, LR, STEPS, MlpModule, Recorder, _data, _reference, use_existing_process_group
+from test_callbacks import LOCAL_BATCH, STEPS, MlpModule, Recorder, _reference, use_existing_process_group
 from test_loss import TokenModel, _packed_batch, _token_losses
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -711,27 +711,9 @@ def test_fits_in_one_process_hold_no_more_threads_after_the_first():
         assert counts == [counts[0]] * 5, counts
 
 
-class _WholeMlp(L.LightningModule):
-    """Written as for one device: no configure_model, no plan."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = MlpModule(tp=False).net
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR)
-
-    def train_dataloader(self):
-        return DataLoader(_data(), batch_size=LOCAL_BATCH, shuffle=False)
-
-
 def _whole_module_case(sizes: dict) -> dict:
     use_existing_process_group()
-    module = _WholeMlp()
+    module = _PlainModule()
     strategy = NDParallelStrategy(**sizes)
     trainer = _trainer(strategy, devices=4, callbacks=[GlobalNormClip(0.3)], logger=False)
     trainer.fit(module)
@@ -752,7 +734,7 @@ def test_data_parallel_sizes_alone_shard_the_whole_module_as_one_unit(sizes):
 def _no_plan_with_tp_case() -> str:
     use_existing_process_group()
     with pytest.raises(TypeError) as info:
-        _trainer(NDParallelStrategy(dp_shard=2, tp=2), devices=4, logger=False).fit(_WholeMlp())
+        _trainer(NDParallelStrategy(dp_shard=2, tp=2), devices=4, logger=False).fit(_PlainModule())
     return str(info.value)
 
 
