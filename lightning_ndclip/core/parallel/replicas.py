@@ -154,13 +154,14 @@ def _tensors_of(batch: Any) -> list[torch.Tensor]:
 
 
 def _digest(batch: Any) -> list[tuple]:
-    """Per tensor of ``batch``: its shape, dtype, and float64 sum and position-weighted sum (equal batches give
-    equal digests; a reordering or another draw almost surely another)."""
+    """Per tensor of ``batch``: its shape, dtype, and float64 sum and position-weighted sum, exactly (equal batches
+    give equal digests, NaNs included; a reordering or another draw almost surely another)."""
     digest = []
     for t in _tensors_of(batch):
         flat = t.detach().reshape(-1).double()
         weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
-        digest.append((tuple(t.shape), str(t.dtype), float(flat.sum()), float((flat * weights).sum())))
+        sums = (float(flat.sum()), float((flat * weights).sum()))
+        digest.append((tuple(t.shape), str(t.dtype), *(x.hex() for x in sums)))  # hex: a NaN equals a NaN
     return digest
 
 
