@@ -20,7 +20,7 @@ Run by hand (see README.md)::
 
 ``--model llama``: the same measurement around one forward + backward of a whole ``transformers``
 ``LlamaForCausalLM`` (fp32, built from a ``LlamaConfig``, no download) made context parallel by
-``lightning_ndclip.core.parallel.hf_context`` (``context_parallelize`` + ``shard_batch(...,
+``lightning_ndclip.integrations.transformers.context`` (``context_parallelize`` + ``shard_batch(...,
 kv_exchange=method)``; its own ``.loss`` on ``labels=input_ids``), and, as the reference, the plain
 model on the whole sequence in one process (``"one_process"``: transformers' own ``sdpa`` attention,
 causal without a mask). The warm-up is one forward + backward at a tiny length, so the parameters'
@@ -171,7 +171,7 @@ def llama_case(method: str, seq_len: int, args, rank: int) -> dict:
     if method != "one_process":
         from torch.distributed.device_mesh import init_device_mesh
 
-        from lightning_ndclip.core.parallel.hf_context import context_parallelize
+        from lightning_ndclip.integrations.transformers.context import context_parallelize
 
         cp = init_device_mesh("cpu", (args.world_size,), mesh_dim_names=("cp",))["cp"]
         context_parallelize(model, cp)
@@ -181,7 +181,7 @@ def llama_case(method: str, seq_len: int, args, rank: int) -> dict:
         batch = {"input_ids": ids, "labels": ids}
         if cp is None:
             return batch, contextlib.nullcontext()
-        from lightning_ndclip.core.parallel.hf_context import shard_batch
+        from lightning_ndclip.integrations.transformers.context import shard_batch
 
         local, shard = shard_batch(batch, cp, kv_exchange=method)
         return local, shard.active()

@@ -35,8 +35,6 @@ from lightning_ndclip.core.norm.clip_grad import (
 from lightning_ndclip.core.parallel.coverage import check_data_parallel_reduction
 from lightning_ndclip.core.parallel.expert_parallel import ExpertParallel
 from lightning_ndclip.core.parallel.expert_tensor_parallel import PackedExpertsParallel
-from lightning_ndclip.core.parallel.hf import HF_STYLES, LatentKeyParallel, hf_ep_plan, hf_tp_plan
-from lightning_ndclip.core.parallel.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from lightning_ndclip.core.parallel.loss_parallel import loss_parallel_plan, vocab_parallel_cross_entropy, vocab_parallel_head
 from lightning_ndclip.core.parallel.mesh import LIGHTNING_DIM_NAMES, MESH_DIM_NAMES, ParallelDims, ParallelMeshes
 from lightning_ndclip.core.parallel.plan import ParallelPlan, parallelize
@@ -56,6 +54,8 @@ from lightning_ndclip.core.pipeline import (
     tie_gradients,
 )
 from lightning_ndclip.core.random import RandomStreams
+from lightning_ndclip.integrations.transformers.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from lightning_ndclip.integrations.transformers.plans import HF_STYLES, LatentKeyParallel, hf_ep_plan, hf_tp_plan
 
 _LIGHTNING_NAMES = ("GlobalMeanLoss", "GlobalNormClip", "NDParallelStrategy", "VerifyOneDevice", "router_aux_loss")
 

@@ -25,10 +25,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import lightning_ndclip as nd
 from lightning_ndclip import _compat
-from lightning_ndclip.core.parallel.hf import LatentKeyParallel
 from lightning_ndclip.core.parallel.plan import parallelize
 from lightning_ndclip.core.parallel.split_activations import watch_split_activations
 from lightning_ndclip.core.parallel.tensor_parallel import matches_plan_key, output_not_a_view
+from lightning_ndclip.integrations.transformers.plans import LatentKeyParallel
 
 WIDTH, HEAD, ROPE = 8, 2, 2
 BACKEND = {"backend": "aot_eager"}

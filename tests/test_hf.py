@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from lightning_ndclip.core.parallel.hf import hf_tp_plan
+from lightning_ndclip.integrations.transformers.plans import hf_tp_plan
 
 transformers = pytest.importorskip("transformers")
 

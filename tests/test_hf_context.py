@@ -1,4 +1,4 @@
-"""Context parallelism for transformers models (``lightning_ndclip.core.parallel.hf_context``): the batch cut along
+"""Context parallelism for transformers models (``lightning_ndclip.integrations.transformers.context``): the batch cut along
 the sequence, attention routed to ring attention, the model's own loss exact. The reference is the plain model
 on one process in float64, on the whole batch."""
 
@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 pytest.importorskip("transformers")
 
 from lightning_ndclip import _compat  # noqa: E402
-from lightning_ndclip.core.parallel.hf_context import context_parallelize, shard_batch  # noqa: E402
+from lightning_ndclip.integrations.transformers.context import context_parallelize, shard_batch  # noqa: E402
 
 ROWS, SEQ = 2, 16
 
@@ -174,7 +174,7 @@ def _no_transformers_model() -> str:
 
 def test_auto_with_cp_and_no_transformers_model_is_refused():
     # the strategy would cut the batches of a model whose attention nobody routed: refused instead
-    assert "holds none" in run_on_ranks(2, _no_transformers_model)[0]
+    assert "holds no model of transformers" in run_on_ranks(2, _no_transformers_model)[0]
 
 
 def _dynamic_rope() -> str:

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 transformers = pytest.importorskip("transformers")
 
 from lightning_ndclip import _compat  # noqa: E402
-from lightning_ndclip.core.parallel.hf_context import context_parallelize, shard_batch  # noqa: E402
+from lightning_ndclip.integrations.transformers.context import context_parallelize, shard_batch  # noqa: E402
 
 ROWS, SEQ, VOCAB = 2, 16, 32
 MAX_PARAMETERS = 200_000

@@ -1,4 +1,4 @@
-"""Attention dropout over tensor-parallel heads (``lightning_ndclip.core.parallel.hf_dropout``): a tiny transformers
+"""Attention dropout over tensor-parallel heads (``lightning_ndclip.integrations.transformers.dropout``): a tiny transformers
 Llama with ``attention_dropout=0.5``, its heads split over tp=2, drops out its attention probabilities with masks of
 its own on each tp rank's heads, as one device draws every head's mask from its stream; without the fork the two head
 groups got the same masks. The hidden states every tp rank holds whole stay alike (the shared stream is untouched)."""
@@ -16,10 +16,10 @@ transformers = pytest.importorskip("transformers")
 
 import lightning_ndclip as nd  # noqa: E402
 from lightning_ndclip import _compat  # noqa: E402
-from lightning_ndclip.core.parallel.hf_dropout import fork_split_head_dropout  # noqa: E402
 from lightning_ndclip.core.parallel.mesh import ParallelDims  # noqa: E402
 from lightning_ndclip.core.parallel.plan import parallelize  # noqa: E402
 from lightning_ndclip.core.random import RandomStreams  # noqa: E402
+from lightning_ndclip.integrations.transformers.dropout import fork_split_head_dropout  # noqa: E402
 
 
 def _llama(implementation: str) -> torch.nn.Module:

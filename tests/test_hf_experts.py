@@ -219,7 +219,7 @@ def test_every_style_of_the_installed_transformers_plans_is_mapped_or_refused_na
     """A sweep of the plans every configuration class of the installed transformers ships: each style is mapped
     (tp: HF_STYLES, ``replicate``, the experts' weight styles; ep: the experts module and its weights, or a tp style
     on a dense module) or refused, naming the style and the entry."""
-    from lightning_ndclip.core.parallel import hf
+    from lightning_ndclip.integrations.transformers import plans as hf
 
     styles = _styles_in_transformers()
     expert_weights = set(hf._EXPERT_WEIGHTS)

@@ -3,7 +3,7 @@
 (an even split of its decoder layers; the rotary embedding, the masks and Gemma's specifics on every stage; a tied
 embedding and head declared as one parameter), composed with FSDP2 (pp=2 x dp_shard=2) and its own tensor-parallel
 plan (pp=2 x tp=2): the logged losses, the norms and every parameter after 2 clipped steps with accumulation equal
-the same model trained on one process in float64 (1e-5, fp32). ``lightning_ndclip.core.parallel.hf_pipeline``."""
+the same model trained on one process in float64 (1e-5, fp32). ``lightning_ndclip.integrations.transformers.pipeline``."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import lightning_ndclip as nd
-from lightning_ndclip.core.parallel.hf_pipeline import HFPipelineSplit
 from lightning_ndclip.core.pipeline import model_units, split_model, split_points_of, stage_units_of
+from lightning_ndclip.integrations.transformers.pipeline import HFPipelineSplit
 
 transformers = pytest.importorskip("transformers")
 
@@ -107,7 +107,7 @@ def _inject(fault: str | None):
     own copy). Returns what undoes it (the workers are reused)."""
     if fault is None:
         return lambda: None
-    from lightning_ndclip.core.parallel import hf_pipeline
+    from lightning_ndclip.integrations.transformers import pipeline as hf_pipeline
     from lightning_ndclip.lightning import _pipeline
 
     if fault == "untied":

@@ -205,7 +205,7 @@ def _llama_run(model: nn.Module) -> dict:
 
 
 def _llama_tp_case(tied: bool) -> dict:
-    from lightning_ndclip.core.parallel.hf import hf_tp_plan
+    from lightning_ndclip.integrations.transformers.plans import hf_tp_plan
 
     mesh = nd.ParallelDims(world_size=2, tp=2).build_mesh("cpu")
     model = _llama(tied)
@@ -221,7 +221,7 @@ def _llama_tp_case(tied: bool) -> dict:
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_llama_tp2_own_loss_on_the_shards_equals_one_device(tied):
     pytest.importorskip("transformers")
-    from lightning_ndclip.core.parallel.hf import vocab_parallel_causal_lm_loss
+    from lightning_ndclip.integrations.transformers.plans import vocab_parallel_causal_lm_loss
 
     own = _llama_run(_llama(tied))  # transformers' ForCausalLMLoss: float32, whatever the logits' dtype
     reference = _llama(tied)
@@ -268,7 +268,7 @@ def test_plain_logits_are_plain_cross_entropy():
 
 def test_llama_refusals_name_the_cause():
     pytest.importorskip("transformers")
-    from lightning_ndclip.core.parallel.hf import hf_tp_plan, vocab_parallel_causal_lm_loss
+    from lightning_ndclip.integrations.transformers.plans import hf_tp_plan, vocab_parallel_causal_lm_loss
 
     model = _llama(False)
     model.loss_function = lambda **kwargs: 0

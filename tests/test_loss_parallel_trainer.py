@@ -43,7 +43,7 @@ class _LlamaModule(L.LightningModule):
 
 class _LlamaByHook(_LlamaModule):
     def configure_model(self) -> None:
-        from lightning_ndclip.core.parallel.hf import hf_tp_plan
+        from lightning_ndclip.integrations.transformers.plans import hf_tp_plan
 
         meshes = self.trainer.strategy.meshes
         nd.parallelize(self.lm, meshes, tp_plan=loss_parallel_plan(self.lm, hf_tp_plan(self.lm, tp=2)))
@@ -75,7 +75,7 @@ def _trainer_case(by_plan: bool) -> dict:
 @pytest.mark.parametrize("by_plan", [True, False], ids=["ParallelPlan", "configure_model"])
 def test_trainer_token_mean_of_the_llamas_own_loss_parallel_loss_equals_one_device(by_plan):
     pytest.importorskip("transformers")
-    from lightning_ndclip.core.parallel.hf import vocab_parallel_causal_lm_loss
+    from lightning_ndclip.integrations.transformers.plans import vocab_parallel_causal_lm_loss
 
     model = _llama(True)
     model.loss_function = vocab_parallel_causal_lm_loss

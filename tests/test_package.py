@@ -39,7 +39,8 @@ def test_the_pure_pytorch_core_imports_without_lightning():
         "for m in ('lightning', 'lightning.pytorch', 'lightning.fabric', 'torchmetrics'): sys.modules[m] = None\n"
         "import lightning_ndclip as nd\n"
         "from lightning_ndclip.core import agree, context, experts, loss, norm, parallel, pipeline\n"
-        "from lightning_ndclip.core.parallel import coverage, hf, mesh, plan, reduce, replicas, summary, tensor_parallel\n"
+        "from lightning_ndclip.core.parallel import coverage, mesh, plan, reduce, replicas, summary, tensor_parallel\n"
+        "from lightning_ndclip.integrations.transformers import checkpoint, context, dropout, pipeline, plans\n"
         "assert nd.clip_grad_norm_ and nd.sync_token_count and nd.ParallelDims\n"
         "try:\n"
         "    nd.GlobalNormClip\n"
@@ -99,15 +100,49 @@ def test_the_core_reaches_no_lightning_name_directly_or_lazily():
 _MAY_IMPORT = {  # each part of the core, and the other parts it may import (lightning_ndclip/core/__init__.py)
     "norm": {"parallel.mesh", "agree"},
     "loss": {"agree"},
-    "parallel": {"context", "agree", "random"},
+    "parallel": {"context", "agree", "random", "libraries"},
     "context": set(),
-    "pipeline": {"parallel.hf_pipeline", "agree"},
+    "pipeline": {"agree", "libraries"},
+    "libraries": {"pipeline"},  # the type of a model's own split, for type checkers only
     "experts": {"parallel.expert_parallel"},
     "agree": set(),
     "load_balance": {"parallel.mesh"},
     "random": {"parallel.mesh"},
     "draws": set(),
 }
+
+
+def _package_imports(path: Path) -> list[str]:
+    """The ``lightning_ndclip`` modules the file at ``path`` imports, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return [m for m in found if m.startswith("lightning_ndclip.")]
+
+
+def test_only_the_package_root_imports_the_model_library_integrations():
+    """The model-library boundary (lightning_ndclip/core/libraries.py): the core and the Lightning layer ask the
+    registered adapters and import no integration; an integration imports the core, never the Lightning layer."""
+    package = Path(lightning_ndclip.__file__).parent
+    wrong = [
+        f"{path.relative_to(package)}: {module}"
+        for part in ("core", "lightning")
+        for path in sorted((package / part).rglob("*.py"))
+        for module in _package_imports(path)
+        if module.startswith("lightning_ndclip.integrations")
+    ]
+    wrong += [
+        f"{path.relative_to(package)}: {module}"
+        for path in sorted((package / "integrations").rglob("*.py"))
+        for module in _package_imports(path)
+        if module.startswith("lightning_ndclip.lightning")
+    ]
+    assert wrong == []
+    # the root imports each integration, which registers its adapter
+    assert any(m.startswith("lightning_ndclip.integrations.transformers.") for m in _package_imports(package / "__init__.py"))
 
 
 def test_each_part_of_the_core_imports_only_what_its_docstring_allows():

@@ -8,12 +8,14 @@ checks it):
 - :mod:`~lightning_ndclip.core.norm`: the exact global norm and clipping; imports ``parallel.mesh`` and ``agree``;
 - :mod:`~lightning_ndclip.core.loss`: the exact loss normalization (counts, weights, shares); imports ``agree``;
 - :mod:`~lightning_ndclip.core.parallel`: the mesh and the parallel wrapping (tensor and expert parallel, FSDP2
-  plans, Hugging Face plans and checkpoints) and its checks (coverage, replicas, summary, SUM
-  reductions); imports ``context`` (the attention of ``transformers`` models cut along the sequence), ``agree`` and
-  ``random`` (the attention dropout of tensor-parallel heads);
+  plans) and its checks (coverage, replicas, summary, SUM reductions); imports ``context``, ``agree``, ``random``
+  and ``libraries`` (``tp_plan="auto"``: the plans of the library models inside a module);
 - :mod:`~lightning_ndclip.core.context`: context parallelism (sequence shards, ring attention); imports nothing else;
-- :mod:`~lightning_ndclip.core.pipeline`: pipeline stages and schedules; imports ``parallel.hf_pipeline`` (the stages
-  of a ``transformers`` model, only for one) and ``agree`` (a stage failing to build raises on every rank);
+- :mod:`~lightning_ndclip.core.pipeline`: pipeline stages and schedules; imports ``libraries`` (a library model's own
+  split) and ``agree`` (a stage failing to build raises on every rank);
+- :mod:`~lightning_ndclip.core.libraries`: what the package asks of a model library (``transformers``, ...), and the
+  registry of the integrations' adapters (``lightning_ndclip/integrations/``, which import the core, never the
+  reverse); imports nothing else at run time (``pipeline``'s ``ModelSplit`` for type checkers);
 - :mod:`~lightning_ndclip.core.experts`: a mixture-of-experts layer; imports ``parallel.expert_parallel`` (the token
   exchange of expert parallelism, shared with packed-experts modules);
 - :mod:`~lightning_ndclip.core.agree`: errors raised alike on every rank of a group; imports nothing else.

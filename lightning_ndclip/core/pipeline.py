@@ -14,7 +14,7 @@ whatever entries remain (torchtitan's convention), e.g.::
 
 A model may know how to split itself instead (:class:`ModelSplit`, :func:`model_split`): a method
 ``pipeline_split()`` returning its split, or a Hugging Face ``transformers`` model, cut where its own
-pipeline plan says (:class:`lightning_ndclip.core.parallel.hf_pipeline.HFPipelineSplit`). Its units
+pipeline plan says (:class:`lightning_ndclip.integrations.transformers.pipeline.HFPipelineSplit`). Its units
 and stages are its own, ``split_points`` may be left out (its default split), and its ties across
 stages are declared by the strategy without being named.
 
@@ -27,7 +27,6 @@ divides twice.
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -46,6 +45,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleLoopedBFS,
 )
 
+from lightning_ndclip.core import libraries
 from lightning_ndclip.core.agree import run_agreed
 
 __all__ = [
@@ -138,18 +138,14 @@ class ModelSplit(Protocol):
 
 def model_split(model: nn.Module) -> ModelSplit | None:
     """``model``'s own split: what its ``pipeline_split()`` returns, for a ``transformers`` model its
-    pipeline plan's (:class:`~lightning_ndclip.core.parallel.hf_pipeline.HFPipelineSplit`), else ``None``
+    pipeline plan's (:class:`~lightning_ndclip.integrations.transformers.pipeline.HFPipelineSplit`), else ``None``
     (stages are cut from its top-level children, see the module docstring)."""
     hook = getattr(model, "pipeline_split", None)
     if callable(hook):
         split: ModelSplit = hook()
         return split
-    transformers = sys.modules.get("transformers")  # a transformers model imported it already
-    if transformers is not None and isinstance(model, getattr(transformers, "PreTrainedModel", ())):
-        from lightning_ndclip.core.parallel.hf_pipeline import HFPipelineSplit
-
-        return HFPipelineSplit(model)
-    return None
+    library = libraries.library_of(model)
+    return None if library is None else library.pipeline_split(model)
 
 
 def split_points_of(model: nn.Module, split_points: Sequence[str], num_stages: int) -> list[str]:

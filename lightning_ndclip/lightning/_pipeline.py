@@ -24,9 +24,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_ndclip._compat import tree_leaves
+from lightning_ndclip.core import libraries
 from lightning_ndclip.core.agree import AgreedError, raise_agreed
 from lightning_ndclip.core.loss import MicroBatchShare
-from lightning_ndclip.core.parallel.hf_checkpoint import load_hf_checkpoint
 from lightning_ndclip.core.parallel.mesh import ParallelMeshes
 from lightning_ndclip.core.parallel.plan import ParallelPlan
 from lightning_ndclip.core.parallel.tensor_parallel import tied_parameters
@@ -212,7 +212,7 @@ class PipelineRunner:
 
     def load_hf_checkpoint(self, module: nn.Module, directory: Any, device: torch.device) -> None:
         """Load a Hugging Face checkpoint into this rank's stages of a ``transformers`` model, each reading the
-        tensors of the units it holds (:func:`~lightning_ndclip.core.parallel.hf_checkpoint.load_hf_checkpoint`)."""
+        tensors of the units it holds (its library's :meth:`~lightning_ndclip.core.libraries.ModelLibrary.load_checkpoint`)."""
         stages = getattr(module, self.config.module)
         if not isinstance(stages, _PipelineStages):
             raise ValueError(
@@ -221,8 +221,14 @@ class PipelineRunner:
             )
         per_stage = stage_units_of(stages.units, stages.split_points, self.pp * self.config.stages_per_rank)
         for index, stage in zip(stages.indices, stages):
+            library = libraries.library_of(stage)  # a stage is a copy of the model, holding some of its units
+            if library is None:
+                raise ValueError(
+                    f"NDParallelStrategy(hf_checkpoint=..., pp > 1): the stages are cut from a {type(stage).__name__}, "
+                    "which is no model of a library whose checkpoints the strategy loads (transformers, ...)"
+                )
             elsewhere = [unit for unit in stages.units if unit not in per_stage[index]]
-            load_hf_checkpoint(stage, directory, device=device, held_elsewhere=elsewhere)
+            library.load_checkpoint(stage, directory, device=device, held_elsewhere=elsewhere)
 
     def _schedule(self, stages: dict[int, nn.Module]) -> Any:
         config = self.config

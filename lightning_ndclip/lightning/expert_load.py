@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_ndclip import _compat
+from lightning_ndclip.core import libraries
 from lightning_ndclip.core.load_balance import (
     LOAD_BALANCING_KEY,
     alone,
@@ -24,7 +25,6 @@ from lightning_ndclip.core.load_balance import (
     load_balance,
     max_over_mean,
 )
-from lightning_ndclip.core.parallel.hf import transformers_models
 
 __all__ = ["router_aux_loss"]
 
@@ -115,12 +115,7 @@ def _router_logits(outputs: Any) -> Any:
 
 
 def _the_model(module: nn.Module) -> nn.Module:
-    found = transformers_models(module)
-    if len(found) != 1:
-        names = [name or "(the module)" for name, _ in found]
-        held = f"{type(module).__name__} holds {len(found)} transformers models {names}"
-        raise ValueError(f"router_aux_loss(model=...) is needed: {held}")
-    return found[0][1]
+    return libraries.the_model(module, "router_aux_loss", instead="Pass router_aux_loss(model=...)").model
 
 
 def _coefficient(model: nn.Module) -> float:

@@ -35,13 +35,11 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from typing_extensions import override
 
 from lightning_ndclip import _compat
+from lightning_ndclip.core import libraries
 from lightning_ndclip.core.agree import call_hook, run_agreed
 from lightning_ndclip.core.load_balance import LOAD_BALANCING_KEY, window_share
 from lightning_ndclip.core.loss import MicroBatchShare, local_loss_sum, loss_share, sync_sample_weights
 from lightning_ndclip.core.parallel.coverage import check_data_parallel_reduction
-from lightning_ndclip.core.parallel.hf import transformers_models
-from lightning_ndclip.core.parallel.hf_checkpoint import load_hf_checkpoint
-from lightning_ndclip.core.parallel.hf_dropout import attention_dropout, fork_split_head_dropout
 from lightning_ndclip.core.parallel.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError, check_sizes
 from lightning_ndclip.core.parallel.plan import ParallelPlan, check_plan_sizes, shared_parameters
 from lightning_ndclip.core.parallel.reduce import use_sum_reduction
@@ -246,7 +244,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: one shard per rank (``True``), or a full checkpoint on rank 0.
         hf_checkpoint: a Hugging Face checkpoint directory (``*.safetensors``) to load into the
             LightningModule's ``transformers`` model once it is parallelized, each rank reading only its
-            shards (:func:`~lightning_ndclip.core.parallel.hf_checkpoint.load_hf_checkpoint`). Build the model on
+            shards (:func:`~lightning_ndclip.integrations.transformers.checkpoint.load_hf_checkpoint`). Build the model on
             the meta device (``with torch.device("meta")``, or ``Trainer.init_module(empty_init=True)``)
             and no rank ever holds all of it. With ``pp > 1``, each rank loads its stages' tensors.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: from the accelerator.
@@ -332,19 +330,8 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._streams_checked = False
         self._unused: UnusedParameters | None = None
         self._random_streams: RandomStreams | None = None
-        self._undo_forks: list[Callable[[], None]] = []  # the random forks of fit's transformers models, undone at teardown
-
-    def _transformers_model(self, module: pl.LightningModule) -> nn.Module:
-        """The one ``transformers`` model in ``module`` that ``hf_checkpoint`` is loaded into."""
-        found = transformers_models(module)
-        if len(found) != 1:
-            names = [f"{name or '(the module)'}: {type(m).__name__}" for name, m in found]
-            raise ValueError(
-                f"NDParallelStrategy(hf_checkpoint=...) loads into the one transformers model of the LightningModule; "
-                f"{type(module).__name__} holds {len(found)} ({names}). Call "
-                "lightning_ndclip.load_hf_checkpoint(model, directory) for each in on_fit_start instead"
-            )
-        return found[0][1]
+        self._undo_forks: list[Callable[[], None]] = []  # the random forks of fit's library models, undone at teardown
+        self._cutter: libraries.ModelLibrary | None = None  # the library whose models' batches are cut along cp
 
     @property
     def is_distributed(self) -> bool:
@@ -537,7 +524,11 @@ class NDParallelStrategy(ModelParallelStrategy):
         if self._hf_checkpoint is not None and self._pipeline is not None:
             self._pipeline.load_hf_checkpoint(module, self._hf_checkpoint, self.root_device)
         elif self._hf_checkpoint is not None:
-            load_hf_checkpoint(self._transformers_model(module), self._hf_checkpoint, device=self.root_device)
+            found = libraries.the_model(
+                module, "NDParallelStrategy(hf_checkpoint=...)",
+                instead="Call lightning_ndclip.load_hf_checkpoint(model, directory) for each in on_fit_start instead",
+            )  # fmt: skip
+            found.library.load_checkpoint(found.model, self._hf_checkpoint, device=self.root_device)
         _compat.materialize_distributed_module(model, self.root_device)
         check_ties(module, self._ties)
         self.model = self.precision_plugin.convert_module(model)
@@ -566,13 +557,14 @@ class NDParallelStrategy(ModelParallelStrategy):
             self._random_streams = RandomStreams(self.meshes, seed[0], self.root_device)
             self._random_streams.seed_shared()
             streams = self._random_streams
-            if self._cuts_sequences:  # every activation of the transformers models is this cp rank's tokens
-                for _, model in transformers_models(module):
-                    self._undo_forks += [handle.remove for handle in fork_forward(model, streams, "cp")]
+            if self._cuts_sequences:  # every activation of the library models is this cp rank's tokens
+                for found in libraries.models(module):
+                    self._undo_forks += [handle.remove for handle in fork_forward(found.model, streams, "cp")]
             elif self.parallel_dims.tp > 1:  # each tp rank's attention heads draw their own dropout masks
-                for _, model in transformers_models(module):
-                    if attention_dropout(model) > 0:
-                        self._undo_forks.append(fork_split_head_dropout(model, self.meshes["tp"].get_local_rank()))
+                tp_rank = self.meshes["tp"].get_local_rank()
+                for found in libraries.models(module):
+                    if found.library.attention_dropout(found.model) > 0:
+                        self._undo_forks.append(found.library.fork_split_head_dropout(found.model, tp_rank))
 
     @override
     def teardown(self) -> None:
@@ -756,7 +748,7 @@ class NDParallelStrategy(ModelParallelStrategy):
     @property
     def _cuts_sequences(self) -> bool:
         """Whether the strategy cuts each batch along the sequence for the ``transformers`` models (``tp_plan="auto"``,
-        ``cp > 1``; :mod:`~lightning_ndclip.core.parallel.hf_context`)."""
+        ``cp > 1``; :mod:`~lightning_ndclip.integrations.transformers.context`)."""
         return self._plan.tp_plan == "auto" and self.parallel_dims.cp > 1
 
     def _run_step(
@@ -768,13 +760,24 @@ class NDParallelStrategy(ModelParallelStrategy):
         with self._unused.forward() if self._unused is not None else nullcontext():
             if not self._cuts_sequences:
                 return step(*args, **kwargs), []
-            from lightning_ndclip.core.parallel.hf_context import shard_batch
-
             batch = args[0] if args else kwargs["batch"]
-            local, shard = shard_batch(batch, self.meshes["cp"], kv_exchange=self._plan.kv_exchange)
-            args, kwargs = ((local, *args[1:]), kwargs) if args else (args, {**kwargs, "batch": local})
-            with shard.active():
-                return step(*args, **kwargs), shard.model_losses
+            cut = self._sequence_cutter().cut_batch(batch, self.meshes["cp"], self._plan.kv_exchange)
+            args, kwargs = ((cut.batch, *args[1:]), kwargs) if args else (args, {**kwargs, "batch": cut.batch})
+            with cut.active:
+                return step(*args, **kwargs), cut.model_losses
+
+    def _sequence_cutter(self) -> libraries.ModelLibrary:
+        """The library whose models' batches the strategy cuts along the sequence (one: a batch is cut once)."""
+        if self._cutter is None:
+            found = libraries.models(self._module)
+            kinds = {f.library.name: f.library for f in found}
+            if len(kinds) != 1:
+                raise ValueError(
+                    f"cp > 1 with tp_plan='auto' cuts each batch the way its model's library does, and "
+                    f"{type(self._module).__name__} holds models of {sorted(kinds) or 'no library'}: give one library's"
+                )
+            self._cutter = next(iter(kinds.values()))
+        return self._cutter
 
     def _micro_batch_share(self) -> MicroBatchShare:
         """This micro-batch's share of its window: from the loss windows, or without loss normalization

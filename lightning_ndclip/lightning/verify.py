@@ -61,7 +61,6 @@ from __future__ import annotations
 import copy
 import math
 import re
-import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -82,6 +81,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_ndclip import _compat
+from lightning_ndclip.core import libraries
 from lightning_ndclip.core.draws import NotReplayable, PeersDrewApart, RandomDraws, Source, assemble_peers
 from lightning_ndclip.core.load_balance import LOAD_BALANCING_KEY, PooledRouting
 from lightning_ndclip.core.parallel.mesh import ParallelMeshes, one_rank_meshes
@@ -269,10 +269,8 @@ class VerifyOneDevice(Callback):
         k = len(data[0])
         if draws is not None and draws.problem:
             return self._unreplayed(k, len(data), draws, f"not checked: {draws.problem}")
-        if "transformers" in sys.modules:  # a model whose loss the plan computes on vocabulary shards: the same function
-            from lightning_ndclip.core.parallel.hf import replay_loss_parallel
-
-            replay_loss_parallel(pl_module, self._plain)
+        for library in libraries.registered():  # a model whose loss the plan computes on vocabulary shards: the same function
+            library.replay_loss_parallel(pl_module, self._plain)
         try:
             plain, dtype, window_loss, pooled = _replay(self._plain, data, one_process, None if draws is None else draws.pieces)
         except PeersDrewApart as error:

@@ -6,8 +6,6 @@
 - :mod:`~lightning_ndclip.core.parallel.tensor_parallel`, :mod:`~lightning_ndclip.core.parallel.expert_tensor_parallel`,
   :mod:`~lightning_ndclip.core.parallel.expert_parallel`: tensor-parallel styles that keep ties, the packed
   experts split over ``tp``, and whole experts over ``ep`` (the token exchange);
-- :mod:`~lightning_ndclip.core.parallel.hf`, :mod:`~lightning_ndclip.core.parallel.hf_checkpoint`:
-  ``transformers``' own plans, and its checkpoints loaded into shards and saved from them;
 - :mod:`~lightning_ndclip.core.parallel.coverage`, :mod:`~lightning_ndclip.core.parallel.replicas`,
   :mod:`~lightning_ndclip.core.parallel.reduce`, :mod:`~lightning_ndclip.core.parallel.summary`: what
   the wrapping must guarantee (every gradient reduced, replicas equal, SUM reductions) and the
@@ -17,5 +15,5 @@
 - :mod:`~lightning_ndclip.core.parallel.split_activations`: the activations ``ColwiseParallel`` splits, followed
   through the first forward (a fused projection chunked; whole parameters on split activations).
 
-Imports nothing else of the core (``transformers`` only where asked for).
+Imports no model library: ``tp_plan="auto"`` asks the registered ones (:mod:`~lightning_ndclip.core.libraries`).
 """

@@ -17,8 +17,9 @@ parallel keeps each tp rank's block of the vocabulary, ``[tokens, vocab / tp]``:
   its block (the head's ``ColwiseParallel`` sums the hidden states' gradient over tp, as it always does);
 * :func:`loss_parallel_plan` rewrites a tensor-parallel plan's LM head to that style
   (``ParallelPlan(loss_parallel=True)`` calls it), and for a ``transformers`` causal LM also replaces the
-  model's own loss (``ForCausalLMLoss``) by :func:`~lightning_ndclip.core.parallel.hf.vocab_parallel_causal_lm_loss`,
-  so its ``.loss`` is computed on the shards.
+  model's own loss (``ForCausalLMLoss``) by
+  :func:`~lightning_ndclip.integrations.transformers.plans.vocab_parallel_causal_lm_loss`, so its ``.loss`` is
+  computed on the shards.
 
 A tied LM head (its weight the input embedding's) stays tied: both sides keep sharding the ``[vocab, hidden]``
 weight along the vocabulary (``Shard(0)``), as without loss parallel
@@ -33,7 +34,6 @@ place; a second backward through the same graph (``retain_graph=True``) is refus
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
+from lightning_ndclip.core import libraries
 from lightning_ndclip.core.agree import host_reads_are_free
 from lightning_ndclip.core.parallel.tensor_parallel import matches_plan_key
 
@@ -212,10 +213,7 @@ def _heads_of(module: nn.Module, plan: Mapping[str, ParallelStyle], head: bool |
         if not keys:
             raise ValueError(f"loss_parallel={head!r} names no entry of the tp plan (its keys: {sorted(plan)})")
     else:
-        if "transformers" in sys.modules:  # a transformers model in module: transformers is imported
-            from lightning_ndclip.core.parallel import hf
-
-            models = hf.output_heads(module)
+        models = {name: model for library in libraries.registered() for name, model in library.output_heads(module).items()}
         if models:
             # a head without parameters is a pipeline stage's stand-in for the head another stage holds
             models = {name: model for name, model in models.items() if any(True for _ in names[name].parameters())}
@@ -268,7 +266,7 @@ def loss_parallel_plan(
 
     The head: with ``head=True``, the output embeddings (``get_output_embeddings()``) of the ``transformers``
     models inside ``module`` (given an entry where the plan has none), whose own loss is then replaced by
-    :func:`~lightning_ndclip.core.parallel.hf.vocab_parallel_causal_lm_loss` (their ``.loss`` is computed on the
+    :func:`~lightning_ndclip.integrations.transformers.plans.vocab_parallel_causal_lm_loss` (their ``.loss`` is computed on the
     shards; a model whose loss is not ``transformers``' ``ForCausalLMLoss`` is refused); without such models, the
     one plan entry that is a ``ColwiseParallel`` ``nn.Linear`` with a gathered output (``output_layouts=Replicate()``).
     A string names the head's plan key. Your own loss must then be :func:`vocab_parallel_cross_entropy` on the
@@ -285,9 +283,8 @@ def loss_parallel_plan(
     keys, models = _heads_of(module, plan, head)
     rewritten = {key: (vocab_parallel_head() if key in keys else style) for key, style in plan.items()}
     rewritten.update((key, vocab_parallel_head()) for key in keys if key not in plan)
-    if models:
-        from lightning_ndclip.core.parallel import hf
-
-        for model in models.values():
-            hf.use_vocab_parallel_loss(model)
+    for model in models.values():
+        library = libraries.library_of(model)
+        assert library is not None  # found as a library model's head
+        library.use_vocab_parallel_loss(model)
     return rewritten

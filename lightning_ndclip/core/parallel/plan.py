@@ -7,7 +7,6 @@ A plain function, readable top to bottom, and the plan object that holds its arg
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -17,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_ndclip._compat import checkpoint_wrapper, concatenate_meshes
+from lightning_ndclip.core import libraries
 from lightning_ndclip.core.parallel.mesh import ParallelMeshes
 from lightning_ndclip.core.parallel.tensor_parallel import (
     COMPILED,
@@ -109,9 +109,9 @@ def parallelize(
         meshes: the strategy's meshes; TP uses ``tp``, FSDP2 uses ``fsdp`` (``dp_shard_cp``, or
             ``dp_replicate x dp_shard_cp`` for HSDP).
         tp_plan: ``{module name: ParallelStyle}`` (names relative to ``module``; wildcards as in
-            PyTorch), or ``"auto"``: the own plans of the Hugging Face ``transformers`` models inside
-            ``module`` (:func:`lightning_ndclip.core.parallel.hf.hf_tp_plan`; with ``cp > 1`` also their
-            attention over the cut sequence, :func:`~lightning_ndclip.core.parallel.hf_context.context_parallelize`). Applied by
+            PyTorch), or ``"auto"``: the own plans of the library models inside ``module`` (Hugging Face
+            ``transformers`` models: :func:`~lightning_ndclip.integrations.transformers.plans.hf_tp_plan`; with
+            ``cp > 1`` also their attention over the cut sequence; see :mod:`~lightning_ndclip.core.libraries`). Applied by
             :func:`~lightning_ndclip.core.parallel.tensor_parallel.tensor_parallelize`: ``parallelize_module``
             keeping tied parameters (a tied embedding and LM head) one parameter.
         fsdp_units: module classes that each become one ``fully_shard`` unit (e.g. the transformer
@@ -168,29 +168,7 @@ def parallelize(
         )
     experts: dict[str, nn.Module] = {}
     if tp_plan == "auto":
-        from lightning_ndclip.core.parallel import hf  # needs transformers only when asked for
-
-        if cp > 1:  # their attention over the sequence cut along cp
-            from lightning_ndclip.core.parallel.hf_context import context_parallelize
-
-            models = hf.transformers_models(module)
-            if not models:
-                hf.require_transformers(f"tp_plan='auto' with cp > 1 on {type(module).__name__}")
-                raise ValueError(
-                    f"tp_plan='auto' with cp > 1 cuts the sequences of transformers models, and {type(module).__name__} "
-                    "holds none: give your own model's attention context_parallel_attention and drop tp_plan='auto'"
-                )
-            for _, model in models:
-                context_parallelize(model, meshes["cp"])
-
-        if ep > 1:  # whole experts over ep, each split over tp along its width when tp > 1
-            ep_plan = hf.hf_ep_plan(module)
-            ep_mesh = meshes["ep"] if tp == 1 else concatenate_meshes([meshes["ep"], meshes["tp"]])
-            parallelize_module(module, ep_mesh, resolved_plan(module, ep_plan))
-            experts = {n: m for n, m in module.named_modules() if any(matches_plan_key(n, key) for key in ep_plan)}
-        tp_plan = hf.hf_tp_plan(module, tp=tp) if tp > 1 else None
-        if tp_plan and experts:  # the experts' own tp entries: applied with ep above
-            tp_plan = {key: style for key, style in tp_plan.items() if not any(matches_plan_key(n, key) for n in experts)}
+        tp_plan, experts = _apply_library_plans(module, meshes)
     if loss_parallel:  # the LM head's logits stay sharded along the vocabulary
         from lightning_ndclip.core.parallel.loss_parallel import loss_parallel_plan
 
@@ -198,10 +176,8 @@ def parallelize(
     if tp_plan:
         tensor_parallelize(module, meshes["tp"], tp_plan)
     wrappers = _replace_children(module, tuple(activation_checkpointing)) if activation_checkpointing else {}
-    if wrappers and "transformers" in sys.modules:  # a transformers model's checkpointed layers: no cache in training
-        from lightning_ndclip.core.parallel import hf
-
-        hf.recompute_without_cache(module, wrappers.values())
+    for library in libraries.registered() if wrappers else ():  # a library model's checkpointed layers
+        library.recompute_without_cache(module, wrappers.values())
     fsdp_kwargs: dict[str, Any] = {"mesh": meshes["fsdp"]}
     if mp_policy is not None:
         fsdp_kwargs["mp_policy"] = mp_policy
@@ -230,6 +206,53 @@ def parallelize(
     if options is not None:
         _compile_units(matched, options)
     return module
+
+
+def _apply_library_plans(
+    module: nn.Module, meshes: ParallelMeshes
+) -> tuple[dict[str, ParallelStyle] | None, dict[str, nn.Module]]:
+    """``tp_plan="auto"``: the own plans of the library models inside ``module`` (:mod:`~lightning_ndclip.core.libraries`):
+    with ``cp > 1`` their attention over the sequence cut along cp, with ``ep > 1`` their experts whole over ep
+    (each split over tp along its width when ``tp > 1``) applied here; returns their tensor-parallel plan without
+    the experts' entries (``None`` where ``tp == 1``), and the expert modules (each an FSDP2 unit over ``edp``).
+
+    Raises:
+        ImportError: no library model found where a library is not installed (naming its extra).
+        ValueError: no library model found; or the models found have no plan for a dim of size > 1.
+    """
+    tp, ep, cp = meshes["tp"].size(), meshes["ep"].size(), meshes["cp"].size()
+    if tp == ep == cp == 1:
+        return None, {}
+    found = libraries.require_models(
+        module,
+        f"tp_plan='auto' with tp={tp}, ep={ep}, cp={cp}",
+        needs="give tp_plan as {module name: ParallelStyle}, and your own model's attention context_parallel_attention "
+        "for cp > 1",
+    )
+    users = list({id(f.library): f.library for f in found}.values())
+    for model in found if cp > 1 else ():
+        model.library.context_parallelize(model.model, meshes["cp"])
+    experts: dict[str, nn.Module] = {}
+    if ep > 1:
+        ep_plan = {key: style for library in users for key, style in library.ep_plan(module).items()}
+        if not ep_plan:
+            raise ValueError(_no_plan(module, found, f"ep={ep}", "an expert-parallel plan", "train with ep=1"))
+        ep_mesh = meshes["ep"] if tp == 1 else concatenate_meshes([meshes["ep"], meshes["tp"]])
+        parallelize_module(module, ep_mesh, resolved_plan(module, ep_plan))
+        experts = {n: m for n, m in module.named_modules() if any(matches_plan_key(n, key) for key in ep_plan)}
+    if tp == 1:
+        return None, experts
+    tp_plan = {key: style for library in users for key, style in library.tp_plan(module, tp).items()}
+    if not tp_plan:
+        instead = "give tp_plan as {module name: ParallelStyle}"
+        raise ValueError(_no_plan(module, found, f"tp={tp}", "a tensor-parallel plan", instead))
+    # the experts' own tp entries were applied with ep above
+    return {key: style for key, style in tp_plan.items() if not any(matches_plan_key(n, key) for n in experts)}, experts
+
+
+def _no_plan(module: nn.Module, found: Sequence[libraries.LibraryModel], dim: str, plan: str, instead: str) -> str:
+    names = ", ".join(f"{f.name or '(the module)'}: {type(f.model).__name__} ({f.library.name})" for f in found)
+    return f"tp_plan='auto' with {dim}: no model in {type(module).__name__} has {plan} (models found: {names}); {instead}"
 
 
 class _SequentialCalled:
@@ -322,7 +345,7 @@ class ParallelPlan:
     kv_exchange: Literal["ring", "all_gather"] = "ring"
     """With ``tp_plan="auto"`` and ``cp > 1``: how the ``transformers`` models' attention sees the other cp ranks'
     keys and values (:func:`~lightning_ndclip.core.context.attention.context_parallel_attention`); the strategy
-    reads it when it cuts each batch (:func:`~lightning_ndclip.core.parallel.hf_context.shard_batch`)."""
+    reads it when it cuts each batch (:func:`~lightning_ndclip.integrations.transformers.context.shard_batch`)."""
     compile: bool | Mapping[str, Any] = False
     """``True`` or ``torch.compile`` keyword arguments: each ``fsdp_units`` module (the transformer block) compiled
     with ``fullgraph=True`` once parallelized, in place (:func:`parallelize`'s ``compile``). The way to compile
@@ -392,16 +415,14 @@ class ParallelPlan:
                 "kv_exchange='all_gather', or compile={'fullgraph': False}"
             )
         if _fullgraph(self.compile) and meshes["tp"].size() > 1 and self.tp_plan == "auto":
-            from lightning_ndclip.core.parallel import hf
-            from lightning_ndclip.core.parallel.hf_dropout import attention_dropout
-
-            dropping = [type(m).__name__ for _, m in hf.transformers_models(module) if attention_dropout(m) > 0]
+            dropping = [type(f.model).__name__ for f in libraries.models(module) if f.library.attention_dropout(f.model) > 0]
             if dropping:
                 raise ValueError(
                     f"ParallelPlan(compile=...) with tp > 1: {dropping[0]} drops out its attention probabilities "
                     "(config.attention_dropout > 0), which each tp rank draws for its own heads with its generators seeded "
-                    "for the call (core.parallel.hf_dropout), and seeding is no op Dynamo compiles into the block's graph; "
-                    "give compile={'fullgraph': False} (a graph break at each attention), or attention_dropout = 0.0"
+                    "for the call (integrations.transformers.dropout), and seeding is no op Dynamo compiles into the "
+                    "block's graph; give compile={'fullgraph': False} (a graph break at each attention), or "
+                    "attention_dropout = 0.0"
                 )
         return parallelize(
             module,

@@ -228,7 +228,7 @@ def output_not_a_view(module: nn.Module, inputs: Any, output: Any) -> Any:
 
 OWN_OUTPUT_GRADIENT: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 """Modules with plain (whole) weights whose style sums their output's gradient over tp where the output meets split
-heads (:class:`~lightning_ndclip.core.parallel.hf.LatentKeyParallel`): the split-activation watch leaves their
+heads (:class:`~lightning_ndclip.integrations.transformers.plans.LatentKeyParallel`): the split-activation watch leaves their
 output to them. A style whose weights are DTensors owns its output's gradient by being one."""
 
 

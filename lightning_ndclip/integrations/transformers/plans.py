@@ -269,9 +269,16 @@ def hf_tp_plan(module: nn.Module, tp: int | None = None) -> dict[str, ParallelSt
             that ``tp`` does not divide (naming the config field); or a per-head ``q_norm`` /
             ``k_norm`` weight that the plan leaves whole (Cohere's ``use_qk_norm``).
     """
+    plan = tp_plan_of(module, tp)
+    if not plan:
+        _refuse_empty(module, "tp_plan='auto'", "a tensor-parallel plan", "give tp_plan as {module name: ParallelStyle}")
+    return plan
+
+
+def tp_plan_of(module: nn.Module, tp: int | None) -> dict[str, ParallelStyle]:
+    """:func:`hf_tp_plan`, empty where no model inside ``module`` has a plan."""
     plan: dict[str, ParallelStyle] = {}
-    models = transformers_models(module)
-    for prefix, model in models:
+    for prefix, model in transformers_models(module):
         if tp is not None:
             _check_heads(prefix or type(model).__name__, model, tp)
         entries = dict(getattr(model, "tp_plan", None) or {})
@@ -282,14 +289,18 @@ def hf_tp_plan(module: nn.Module, tp: int | None = None) -> dict[str, ParallelSt
             made = _style_for(model, key, style, entries, submodules, params)
             if made is not None:
                 plan[f"{prefix}.{key}" if prefix else key] = made
-    if not plan:
-        require_transformers(f"tp_plan='auto' on {type(module).__name__}, which holds no model of another library,")
-        found = ", ".join(f"{name or '(the module)'}: {type(m).__name__}" for name, m in models) or "none"
-        raise ValueError(
-            f"tp_plan='auto' found no Hugging Face transformers model with a tensor-parallel plan in "
-            f"{type(module).__name__} (transformers models found: {found}); give tp_plan as {{module name: ParallelStyle}}"
-        )
     return plan
+
+
+def _refuse_empty(module: nn.Module, feature: str, plan: str, instead: str) -> None:
+    """The error of ``feature`` finding no model with ``plan`` in ``module``: ``transformers`` is not installed, or
+    the models found (named) have none."""
+    require_transformers(f"{feature} on {type(module).__name__}")
+    found = ", ".join(f"{name or '(the module)'}: {type(m).__name__}" for name, m in transformers_models(module)) or "none"
+    raise ValueError(
+        f"{feature} found no Hugging Face transformers model with {plan} in {type(module).__name__} (transformers "
+        f"models found: {found}); {instead}"
+    )
 
 
 _EP_DISPATCH, _EP_WEIGHT = "ep_dispatch_experts", "grouped_gemm"
@@ -314,9 +325,21 @@ def hf_ep_plan(module: nn.Module) -> dict[str, ParallelStyle]:
             (a weight all experts share, such as a norm, would get a partial gradient on each ``ep`` rank), or an
             entry outside the experts modules has a style that is no tensor-parallel one (each naming the entry).
     """
+    plan = ep_plan_of(module)
+    if not plan:
+        _refuse_empty(
+            module,
+            "ep > 1 with tp_plan='auto'",
+            f"an expert-parallel plan (model.ep_plan, with {_EP_DISPATCH!r} modules)",
+            "train with ep=1, or parallelize its experts yourself in configure_model",
+        )
+    return plan
+
+
+def ep_plan_of(module: nn.Module) -> dict[str, ParallelStyle]:
+    """:func:`hf_ep_plan`, empty where no model inside ``module`` has an expert-parallel plan."""
     plan: dict[str, ParallelStyle] = {}
-    models = transformers_models(module)
-    for prefix, model in models:
+    for prefix, model in transformers_models(module):
         entries = dict(getattr(model, "ep_plan", None) or {})
         dispatched = [key for key, style in entries.items() if style == _EP_DISPATCH]
         for key, style in entries.items():
@@ -332,14 +355,6 @@ def hf_ep_plan(module: nn.Module) -> dict[str, ParallelStyle]:
         for key in dispatched:
             weights = [k[len(key) + 1 :] for k, style in entries.items() if style == _EP_WEIGHT and k.startswith(f"{key}.")]
             plan[f"{prefix}.{key}" if prefix else key] = ExpertParallel(weights=weights or None)
-    if not plan:
-        require_transformers(f"tp_plan='auto' on {type(module).__name__}, which holds no model of another library,")
-        found = ", ".join(f"{name or '(the module)'}: {type(m).__name__}" for name, m in models) or "none"
-        raise ValueError(
-            f"ep > 1 with tp_plan='auto' found no Hugging Face transformers model with an expert-parallel plan "
-            f"(model.ep_plan, with {_EP_DISPATCH!r} modules) in {type(module).__name__} (transformers models found: "
-            f"{found}); train with ep=1, or parallelize its experts yourself in configure_model"
-        )
     return plan
 
 

@@ -40,7 +40,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_ndclip import _compat
 from lightning_ndclip.core.agree import run_agreed
-from lightning_ndclip.core.parallel._hf_checkpoint_pieces import (
+from lightning_ndclip.core.parallel.tensor_parallel import tied_parameters
+from lightning_ndclip.integrations.transformers._checkpoint_pieces import (
     Conversions,
     Piece,
     assemble,
@@ -52,7 +53,6 @@ from lightning_ndclip.core.parallel._hf_checkpoint_pieces import (
     stored_files,
     whole,
 )
-from lightning_ndclip.core.parallel.tensor_parallel import tied_parameters
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint"]
 

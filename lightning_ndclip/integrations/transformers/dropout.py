@@ -30,8 +30,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_ndclip import _compat
-from lightning_ndclip.core.parallel.hf_context import original_attention
 from lightning_ndclip.core.random import seeded_from_state
+from lightning_ndclip.integrations.transformers.context import original_attention
 
 __all__ = ["fork_split_head_dropout"]
 
