@@ -89,6 +89,36 @@ def test_sample_mean_with_context_parallel_in_the_trainer_matches_single_device(
     assert worst(run_on_ranks(4, _dit_trainer_case, True)) > 1e-4, "the per-rank mean should be detectably off"
 
 
+class _UncutDiT(_DiTModule):
+    """The same model, its training_step written as on one device: the whole clip on every rank, nothing cut."""
+
+    def training_step(self, batch, batch_idx):
+        x, y, ids = batch
+        pred = self.model(x, torch.arange(x.shape[1]), ids, None, is_causal=False)
+        return ((pred - y) ** 2).sum(-1)
+
+
+def _uncut_case(module_class) -> str:
+    use_existing_process_group()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, max_steps=1, logger=False,
+        strategy=nd.NDParallelStrategy(dp_shard=2, cp=2, loss_normalization="sample_mean", summary=False), enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    try:
+        trainer.fit(module_class())
+    except ValueError as error:
+        return str(error)
+    return "trained"
+
+
+def test_cp_that_cuts_nothing_is_refused_at_the_first_step_on_every_rank():
+    # every cp rank would compute the whole clip: right numbers, context parallelism a silent no-op
+    for message in run_on_ranks(4, _uncut_case, _UncutDiT):
+        assert "NDParallelStrategy(cp=2): the first training step of _UncutDiT cut no sequence" in message
+        assert "shard_sequence" in message and "tp_plan='auto'" in message
+    assert run_on_ranks(4, _uncut_case, _DiTModule) == ["trained"] * 4  # the step that cuts trains
+
+
 # --- end to end: NDParallelStrategy(dp_shard=2, cp=2, loss_normalization="token_mean") ---
 
 

@@ -106,7 +106,7 @@ _MAY_IMPORT = {  # each part of the core, and the other parts it may import (lig
     "libraries": {"pipeline"},  # the type of a model's own split, for type checkers only
     "experts": {"parallel.expert_parallel"},
     "agree": set(),
-    "load_balance": {"parallel.mesh"},
+    "load_balance": {"parallel.mesh", "libraries"},
     "random": {"parallel.mesh"},
     "draws": set(),
 }

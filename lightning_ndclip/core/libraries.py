@@ -36,6 +36,15 @@ class SequenceCut(NamedTuple):
     model_losses: list[torch.Tensor]
 
 
+class ExpertRouting(NamedTuple):
+    """How a mixture-of-experts model routes (:meth:`ModelLibrary.expert_routing`): its expert count, the experts
+    each token goes to, and its load-balancing loss's weight (``None`` where it names none)."""
+
+    num_experts: int
+    top_k: int
+    coef: float | None
+
+
 class ModelLibrary:
     """What the package asks of a model library about the models of it inside a module. Subclasses override what
     their library's models provide; the defaults are the answers for a module holding none of them."""
@@ -95,6 +104,11 @@ class ModelLibrary:
     def fork_split_head_dropout(self, model: nn.Module, tp_rank: int) -> Callable[[], None]:
         """Make each tp rank draw the attention dropout of its own heads; returns the undo."""
         return lambda: None
+
+    # mixture of experts
+    def expert_routing(self, source: Any) -> ExpertRouting | None:
+        """How ``source`` (a model of the library, or its config) routes, or ``None`` where it does not say."""
+        return None
 
     # pipeline
     def pipeline_split(self, model: nn.Module) -> ModelSplit | None:
@@ -169,6 +183,11 @@ def the_model(module: nn.Module, feature: str, instead: str) -> LibraryModel:
             f"holds {len(found)} ({names}). {instead}"
         )
     return found[0]
+
+
+def expert_routing(source: Any) -> ExpertRouting | None:
+    """How ``source`` (a model or a config) routes, as the first registered library that reads it says."""
+    return next((r for r in (library.expert_routing(source) for library in _REGISTERED) if r is not None), None)
 
 
 def library_of(model: nn.Module) -> ModelLibrary | None:

@@ -55,7 +55,7 @@ statistics they would have summed (``VerifyOneDevice``).
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +65,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_ndclip.core import libraries
 from lightning_ndclip.core.parallel.mesh import ParallelMeshes
 
 __all__ = [
@@ -115,29 +116,16 @@ def max_over_mean(expert_load: torch.Tensor) -> torch.Tensor:
 
 
 def experts_of(config: Any) -> tuple[int, int]:
-    """``(num_experts, top_k)`` of a transformers model or config: the model's own ``num_experts`` and
-    ``num_experts_per_tok`` (what its ``aux_loss`` uses), else the config's ``num_experts`` /
-    ``num_local_experts`` / ``n_routed_experts`` / ``moe_num_experts`` and ``num_experts_per_tok`` / ``moe_k``
-    (a multimodal config's ``text_config``)."""
-    sources = [config, getattr(config, "config", None)]
-    sources += [getattr(s, "text_config", None) for s in list(sources) if s is not None]
-    experts = _first(sources, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"))
-    top_k = _first(sources, ("num_experts_per_tok", "moe_k"))
-    if experts is None or top_k is None:
+    """``(num_experts, top_k)`` of a mixture-of-experts model or config, as its library reads them
+    (:func:`~lightning_ndclip.core.libraries.expert_routing`; a ``transformers`` one: the model's own
+    ``num_experts`` and ``num_experts_per_tok``, else its config's, a multimodal config's ``text_config``)."""
+    routing = libraries.expert_routing(config)
+    if routing is None:
         raise ValueError(
-            f"{type(config).__name__} names no expert count (num_experts, num_local_experts, n_routed_experts) or no "
-            "top-k (num_experts_per_tok): pass num_experts=... and top_k=..."
+            f"{type(config).__name__} names no expert count or no top-k that a model library reads (transformers: "
+            "num_experts / num_local_experts / n_routed_experts, num_experts_per_tok): pass num_experts=... and top_k=..."
         )
-    return experts, top_k
-
-
-def _first(sources: Sequence[Any], names: Sequence[str]) -> int | None:
-    for source in sources:
-        for name in names:
-            value = getattr(source, name, None) if source is not None else None
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
+    return routing.num_experts, routing.top_k
 
 
 def _layers(router_logits: Any, num_experts: int) -> list[torch.Tensor]:

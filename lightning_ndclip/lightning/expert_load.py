@@ -119,11 +119,10 @@ def _the_model(module: nn.Module) -> nn.Module:
 
 
 def _coefficient(model: nn.Module) -> float:
-    for source in (model, getattr(model, "config", None)):
-        value = getattr(source, "router_aux_loss_coef", None)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    raise ValueError(f"{type(model).__name__} has no router_aux_loss_coef: pass coef=...")
+    routing = libraries.expert_routing(model)
+    if routing is None or routing.coef is None:
+        raise ValueError(f"{type(model).__name__} names no load-balancing weight (router_aux_loss_coef): pass coef=...")
+    return routing.coef
 
 
 def _log_window_load(module: pl.LightningModule, trainer: pl.Trainer, load: torch.Tensor, prefix: str) -> None:

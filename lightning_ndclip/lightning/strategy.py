@@ -37,6 +37,7 @@ from typing_extensions import override
 from lightning_ndclip import _compat
 from lightning_ndclip.core import libraries
 from lightning_ndclip.core.agree import call_hook, run_agreed
+from lightning_ndclip.core.context import work as context_work
 from lightning_ndclip.core.load_balance import LOAD_BALANCING_KEY, window_share
 from lightning_ndclip.core.loss import MicroBatchShare, local_loss_sum, loss_share, sync_sample_weights
 from lightning_ndclip.core.parallel.coverage import check_data_parallel_reduction
@@ -327,6 +328,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._replica_gradients_checked = False
         self._first_forward_watched = False
         self._batches_checked = False
+        self._cp_work_checked = False
         self._streams_checked = False
         self._unused: UnusedParameters | None = None
         self._random_streams: RandomStreams | None = None
@@ -720,14 +722,20 @@ class NDParallelStrategy(ModelParallelStrategy):
             check_peers_fed_alike(args[0] if args else kwargs.get("batch"), self.meshes.world)
         share = self._micro_batch_share()
         self._set_gradient_sync(share.ends_window or self._unused is not None)
+        watch_cp = not self._cp_work_checked and self.parallel_dims.cp > 1
+        self._cp_work_checked = True
         if self._pipeline is not None:
-            output = self._refuse_load_balancing(self._pipelined_step(share, *args, **kwargs))
+            with context_work.watch() if watch_cp else nullcontext() as seen:
+                output = self._refuse_load_balancing(self._pipelined_step(share, *args, **kwargs))
+            self._check_context_parallel_work(seen)
             self._check_random_streams()
             return output
         watch = not self._first_forward_watched and self.parallel_dims.tp > 1
         self._first_forward_watched = True
         with watch_split_activations(self._wrapped_model, self.meshes["tp"]) if watch else nullcontext():
-            output, own_losses = self._run_step(super().training_step, args, kwargs)
+            with context_work.watch() if watch_cp else nullcontext() as seen:
+                output, own_losses = self._run_step(super().training_step, args, kwargs)
+        self._check_context_parallel_work(seen)
         self._check_random_streams()
         if self._windows is None:  # Lightning's mean of micro-batch means: Lightning divides by k itself
             return self._refuse_load_balancing(output)
@@ -737,6 +745,26 @@ class NDParallelStrategy(ModelParallelStrategy):
         if share.ends_window:  # the next window's counts: their all-reduce overlaps this backward and optimizer step
             self._windows.read_next_window()
         return output
+
+    def _check_context_parallel_work(self, seen: context_work.WorkSeen | None) -> None:
+        """After the first training step under ``cp > 1`` (``seen``, else ``None``): refuse it, on every rank, where
+        it cut no sequence along cp and ran no context-parallel attention on any rank: every cp rank then computed the
+        whole sequence, context parallelism a silent no-op. One all-reduce of a flag, once."""
+        if seen is None:
+            return
+        idle = torch.tensor([0 if seen.count else 1], device=self.root_device)
+        dist.all_reduce(idle, op=dist.ReduceOp.MIN)  # 1: no rank did any; read once, at the first step
+        if not int(idle.item()):
+            return
+        cp = self.parallel_dims.cp
+        problem = (
+            f"NDParallelStrategy(cp={cp}): the first training step of {type(self._module).__name__} cut no sequence "
+            f"along cp and attended over none, so each of the {cp} cp ranks computed the whole sequence (context "
+            "parallelism did nothing). Give the model's own plans (ParallelPlan(tp_plan='auto'), for a model of a "
+            "library whose adapter cuts it: transformers), or cut the batch in training_step with "
+            "lightning_ndclip.shard_sequence and attend with context_parallel_attention; or train with cp=1"
+        )
+        raise ValueError(problem)
 
     def _check_random_streams(self) -> None:
         """After the first training step: the tp and cp peers' random streams still agree (one host-side all-gather;

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_ndclip.core.context import work
 from lightning_ndclip.core.context.ring_attention import ring_attention
 
 __all__ = ["context_parallel_attention", "shard_sequence"]
@@ -66,6 +67,8 @@ def shard_sequence(
     """
     length = tensor.shape[dim]
     chunks = 2 * cp_size if load_balance else cp_size
+    if cp_size > 1:
+        work.note()
     if length % chunks:
         raise ValueError(
             f"sequence dim {dim} has length {length}, not divisible by {chunks} "
@@ -155,6 +158,7 @@ def context_parallel_attention(
     if kv_exchange == "ring":
         return ring_attention(q, k, v, group=group, positions=positions, is_causal=is_causal, sample_ids=sample_ids,
                               kv_sample_ids=kv_sample_ids, window=window, scale=scale)  # fmt: skip
+    work.note()
     kv_ids = _gather(kv_ids, group, 1) if kv_ids is not None else None
     return _masked_attention(
         q, _gather(k, group, 2), _gather(v, group, 2), positions, _gather(positions, group, 0), sample_ids, kv_ids, rule

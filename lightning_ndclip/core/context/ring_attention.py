@@ -60,6 +60,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lightning_ndclip.core.context import work
+
 __all__ = ["ring_attention"]
 
 
@@ -114,6 +116,7 @@ def ring_attention(
         ValueError: if ``block_size`` is not positive, ``window`` is not positive or given without
             ``is_causal``, or ``kv_sample_ids`` is given without ``sample_ids``.
     """
+    work.note()
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be a positive number of keys or None, got {block_size}")
     if window is not None and (window < 1 or not is_causal):
@@ -169,8 +172,8 @@ class _Ring:
 
 
 def _wait(works: list[dist.Work]) -> None:
-    for work in works:
-        work.wait()
+    for pending in works:
+        pending.wait()
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

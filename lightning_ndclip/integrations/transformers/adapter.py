@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_ndclip.core.libraries import ModelLibrary, SequenceCut
+from lightning_ndclip.core.libraries import ExpertRouting, ModelLibrary, SequenceCut
 from lightning_ndclip.integrations.transformers import checkpoint, context, dropout, pipeline, plans
 
 
@@ -55,6 +55,9 @@ class Transformers(ModelLibrary):
 
     def fork_split_head_dropout(self, model: nn.Module, tp_rank: int) -> Callable[[], None]:
         return dropout.fork_split_head_dropout(model, tp_rank)
+
+    def expert_routing(self, source: Any) -> ExpertRouting | None:
+        return plans.expert_routing(source)
 
     def pipeline_split(self, model: nn.Module) -> pipeline.HFPipelineSplit | None:
         return pipeline.HFPipelineSplit(model) if any(m is model for _, m in self.models(model)) else None

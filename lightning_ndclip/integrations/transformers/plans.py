@@ -61,6 +61,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from lightning_ndclip import _compat
+from lightning_ndclip.core.libraries import ExpertRouting
 from lightning_ndclip.core.parallel.expert_parallel import ExpertParallel
 from lightning_ndclip.core.parallel.expert_tensor_parallel import PackedExpertsParallel
 from lightning_ndclip.core.parallel.loss_parallel import vocab_parallel_cross_entropy
@@ -356,6 +357,31 @@ def ep_plan_of(module: nn.Module) -> dict[str, ParallelStyle]:
             weights = [k[len(key) + 1 :] for k, style in entries.items() if style == _EP_WEIGHT and k.startswith(f"{key}.")]
             plan[f"{prefix}.{key}" if prefix else key] = ExpertParallel(weights=weights or None)
     return plan
+
+
+def expert_routing(source: Any) -> ExpertRouting | None:
+    """How a ``transformers`` MoE model or config routes: the model's own ``num_experts`` and ``num_experts_per_tok``
+    (what its ``aux_loss`` uses), else the config's ``num_experts`` / ``num_local_experts`` / ``n_routed_experts`` /
+    ``moe_num_experts`` and ``num_experts_per_tok`` / ``moe_k`` (a multimodal config's ``text_config``), with its
+    ``router_aux_loss_coef``; ``None`` without an expert count or a top-k."""
+    sources = [source, getattr(source, "config", None)]
+    sources += [getattr(s, "text_config", None) for s in list(sources) if s is not None]
+    experts = _first(sources, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"))
+    top_k = _first(sources, ("num_experts_per_tok", "moe_k"))
+    if experts is None or top_k is None:
+        return None
+    coefs = [getattr(s, "router_aux_loss_coef", None) for s in sources[:2] if s is not None]
+    coef = next((float(c) for c in coefs if isinstance(c, (int, float)) and not isinstance(c, bool)), None)
+    return ExpertRouting(experts, top_k, coef)
+
+
+def _first(sources: list[Any], names: tuple[str, ...]) -> int | None:
+    for source in sources:
+        for name in names:
+            value = getattr(source, name, None) if source is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
 
 
 def output_heads(module: nn.Module) -> dict[str, nn.Module]:
