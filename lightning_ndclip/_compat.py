@@ -1,4 +1,4 @@
-"""Every private (``_``-prefixed) Lightning, PyTorch and ``transformers`` name the package uses, in one place.
+"""Every private (``_``-prefixed) Lightning, PyTorch, ``transformers`` and ``diffusers`` name the package uses, in one place.
 
 Each entry says why no public API serves. :data:`PRIVATE_NAMES` maps every entry to the private
 names it relies on; ``tests/test_compat.py`` checks that each of them exists in the installed
@@ -44,6 +44,7 @@ __all__ = [
     "concatenate_meshes",
     "device_has_foreach_support",
     "disable_torch_function_subclass",
+    "diffusers_cp_plan",
     "dynamo_counters",
     "redistribute_logger",
     "dtensor_spec",
@@ -57,7 +58,10 @@ __all__ = [
     "metadata_filename",
     "optimizers_to_device",
     "root_mesh",
+    "route_diffusers_attention",
     "save_distributed_checkpoint",
+    "set_parallel_config",
+    "takes_parallel_config",
     "set_device_mesh",
     "setup_distributed",
     "should_accumulate",
@@ -112,6 +116,13 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     ),
     "class_pp_plan": ("transformers:PreTrainedModel._pp_plan",),
     "attention_implementation": ("transformers:PreTrainedConfig._attn_implementation",),
+    "diffusers_cp_plan": ("diffusers.models.modeling_utils:ModelMixin._cp_plan",),
+    "takes_parallel_config": ("diffusers.models.transformers.transformer_wan:WanAttnProcessor._parallel_config",),
+    "set_parallel_config": ("diffusers.models.transformers.transformer_wan:WanAttnProcessor._parallel_config",),
+    "route_diffusers_attention": (
+        "diffusers.models.attention_dispatch:_AttentionBackendRegistry._backends",
+        "diffusers.models.attention_dispatch:_AttentionBackendRegistry._supported_arg_names",
+    ),
     # Lightning
     "materialize_distributed_module": ("lightning.fabric.utilities.init:_materialize_distributed_module",),
     "optimizers_to_device": ("lightning.fabric.utilities.optimizer:_optimizers_to_device",),
@@ -256,6 +267,36 @@ def attention_implementation(config: Any) -> str:
     ``attn_implementation`` argument is the request, not what was resolved, and no public getter exists)."""
     name: str = config._attn_implementation
     return name
+
+
+def diffusers_cp_plan(model: Any) -> dict[Any, Any]:
+    """A ``diffusers`` model class's context-parallel plan (reason: ``_cp_plan`` is where diffusers declares it, read
+    by its own ``enable_parallelism``; no public getter exists)."""
+    return dict(getattr(type(model), "_cp_plan", None) or {})
+
+
+def takes_parallel_config(processor: Any) -> bool:
+    """Whether a ``diffusers`` attention processor hands a parallel config to its attention backend (reason: the
+    processors' ``_parallel_config`` is the one place diffusers marks the attention over a cut sequence)."""
+    return hasattr(processor, "_parallel_config")
+
+
+def set_parallel_config(processor: Any, config: Any) -> None:
+    """Set the config a ``diffusers`` attention processor hands its backend (same reason; what ``enable_parallelism``
+    sets)."""
+    processor._parallel_config = config
+
+
+def route_diffusers_attention(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace each ``diffusers`` attention backend that takes a parallel config by ``wrap(backend)``, once (reason:
+    backends are looked up by name in ``_AttentionBackendRegistry._backends`` at every call, whose names are an
+    enum: no public way to add one or to wrap one)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
+
+    for name, backend in list(registry._backends.items()):
+        takes = "_parallel_config" in registry._supported_arg_names.get(name, ())
+        if takes and not getattr(backend, "__wrapped__", None):
+            registry._backends[name] = wrap(backend)
 
 
 foreach_norm = torch._foreach_norm

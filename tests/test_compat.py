@@ -35,7 +35,7 @@ from lightning_ndclip import _compat
 PACKAGE = Path(_compat.__file__).resolve().parent
 COMPAT = PACKAGE / "_compat.py"
 MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p != COMPAT)  # every module of both layers
-EXTERNAL_ROOTS = {"torch", "lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics", "transformers"}
+EXTERNAL_ROOTS = {"torch", "lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics", "transformers", "diffusers"}
 VERSIONS = f"torch {torch.__version__}, lightning {lightning.__version__}"
 
 
@@ -90,8 +90,8 @@ def test_private_name_exists(entry: str, dotted: str) -> None:
         f"{dotted} (for _compat.{entry}) names nothing private: a public name needs no _compat entry"
     )
     module_name, _, qualname = dotted.partition(":")
-    if module_name.split(".")[0] == "transformers":  # an optional dependency (the hf extra)
-        pytest.importorskip("transformers")
+    if module_name.split(".")[0] in ("transformers", "diffusers"):  # optional dependencies (the hf, diffusers extras)
+        pytest.importorskip(module_name.split(".")[0])
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as e:

@@ -102,7 +102,8 @@ def _uncut_case(module_class) -> str:
     use_existing_process_group()
     trainer = L.Trainer(
         accelerator="cpu", devices=4, max_steps=1, logger=False,
-        strategy=nd.NDParallelStrategy(dp_shard=2, cp=2, loss_normalization="sample_mean", summary=False), enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=nd.NDParallelStrategy(dp_shard=2, cp=2, loss_normalization="sample_mean", summary=False),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     try:
         trainer.fit(module_class())

@@ -13,7 +13,7 @@ one of its models raises (:func:`require_models`, naming the extra to install).
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -24,6 +24,20 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 if TYPE_CHECKING:
     from lightning_ndclip.core.pipeline import ModelSplit
+
+__all__ = [
+    "ExpertRouting",
+    "LibraryModel",
+    "ModelLibrary",
+    "SequenceCut",
+    "expert_routing",
+    "library_of",
+    "models",
+    "register",
+    "registered",
+    "require_models",
+    "the_model",
+]
 
 
 class SequenceCut(NamedTuple):
@@ -161,12 +175,13 @@ def require_models(module: nn.Module, feature: str, needs: str) -> list[LibraryM
     if found:
         return found
     missing = [library for library in _REGISTERED if not library.installed()]
+    present = " or ".join(library.name for library in _REGISTERED if library.installed()) or "any installed library"
+    held = f"{feature}: {type(module).__name__} holds no model of {present}"
     if missing:
         names = " or ".join(library.name for library in missing)
         extras = ", ".join(f"pip install 'lightning_ndclip[{library.extra}]'" for library in missing)
-        raise ImportError(f"{feature} applies the own plans of {names} models, and {names} is not installed: {extras}")
-    libraries = " or ".join(library.name for library in _REGISTERED) or "no model library"
-    raise ValueError(f"{feature}: {type(module).__name__} holds no model of {libraries}; {needs}")
+        raise ImportError(f"{held}, and {names} is not installed (a model of it needs it): {extras}")
+    raise ValueError(f"{held}; {needs}")
 
 
 def the_model(module: nn.Module, feature: str, instead: str) -> LibraryModel:
@@ -193,11 +208,3 @@ def expert_routing(source: Any) -> ExpertRouting | None:
 def library_of(model: nn.Module) -> ModelLibrary | None:
     """The registered library ``model`` is a model of (it is its own outermost model), or ``None``."""
     return next((library for library in _REGISTERED if any(m is model for _, m in library.models(model))), None)
-
-
-def merged(plans: Sequence[dict[str, ParallelStyle]]) -> dict[str, ParallelStyle]:
-    """One plan of several libraries' (their models are distinct modules, so their keys are distinct)."""
-    result: dict[str, ParallelStyle] = {}
-    for plan in plans:
-        result.update(plan)
-    return result

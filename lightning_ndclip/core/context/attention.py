@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from lightning_ndclip.core.context import work
 from lightning_ndclip.core.context.ring_attention import ring_attention
 
-__all__ = ["context_parallel_attention", "shard_sequence"]
+__all__ = ["context_parallel_attention", "gather_sequence", "shard_sequence"]
 
 
 def _chunk_ids(cp_rank: int, cp_size: int, load_balance: bool) -> list[int]:
@@ -100,7 +100,11 @@ class _GatherAlongDim(torch.autograd.Function):
         return grad.narrow(ctx.dim, start, ctx.size), None, None
 
 
-def _gather(t: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+def gather_sequence(t: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+    """The whole sequence from each cp rank's equal, contiguous part ``t`` along ``dim`` (rank order), e.g. a model's
+    output gathered where its context-parallel plan says. Differentiable: the gradient of this rank's part is the
+    sum over the group of the gradients of its rows, so where every rank computes the same loss on the gathered
+    tensor (as one device would), counting that loss once per rank gives the one-device gradient."""
     if t.requires_grad:
         return _GatherAlongDim.apply(t, group, dim)
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
@@ -159,9 +163,10 @@ def context_parallel_attention(
         return ring_attention(q, k, v, group=group, positions=positions, is_causal=is_causal, sample_ids=sample_ids,
                               kv_sample_ids=kv_sample_ids, window=window, scale=scale)  # fmt: skip
     work.note()
-    kv_ids = _gather(kv_ids, group, 1) if kv_ids is not None else None
+    kv_ids = gather_sequence(kv_ids, group, 1) if kv_ids is not None else None
     return _masked_attention(
-        q, _gather(k, group, 2), _gather(v, group, 2), positions, _gather(positions, group, 0), sample_ids, kv_ids, rule
+        q, gather_sequence(k, group, 2), gather_sequence(v, group, 2), positions, gather_sequence(positions, group, 0),
+        sample_ids, kv_ids, rule,
     )
 
 

@@ -9,10 +9,6 @@
 - :mod:`~lightning_ndclip.integrations.transformers.checkpoint`: their checkpoints loaded into shards and saved
   from them;
 - :mod:`~lightning_ndclip.integrations.transformers.adapter`: all of it as the
-  :class:`~lightning_ndclip.core.libraries.ModelLibrary` the core and the strategy ask, registered on import.
+  :class:`~lightning_ndclip.core.libraries.ModelLibrary` the core and the strategy ask (registered by
+  :mod:`lightning_ndclip.integrations`).
 """
-
-from lightning_ndclip.core import libraries
-from lightning_ndclip.integrations.transformers.adapter import Transformers
-
-libraries.register(Transformers())

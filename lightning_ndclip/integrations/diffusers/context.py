@@ -1,0 +1,185 @@
+"""Context parallelism for ``diffusers`` models, where their own context-parallel plan (``_cp_plan``) says.
+
+A ``diffusers`` model class that supports context parallelism names, in ``_cp_plan``, the module inputs to cut
+along the sequence (``ContextParallelInput(split_dim, expected_dims, split_output)``: an input by name or position,
+or with ``split_output`` the module's output, as for rotary embeddings) and the outputs to gather back
+(``ContextParallelOutput(gather_dim)``). :func:`context_parallelize` reads it as diffusers'
+``enable_parallelism`` does, for training:
+
+* each cut takes this cp rank's contiguous ``1 / cp`` of the sequence (full, non-causal attention needs no load
+  balancing; :func:`~lightning_ndclip.core.context.attention.shard_sequence`); a tensor whose dim count is not the
+  entry's ``expected_dims`` is left whole, as diffusers leaves it (Wan 2.1's per-clip timestep), and conditioning
+  the plan does not name (text embeddings) stays whole on every rank;
+* the model's attention over the cut sequence runs
+  :func:`~lightning_ndclip.core.context.attention.context_parallel_attention` (ring, O(S/cp) memory per rank):
+  diffusers' attention processors hand their ``_parallel_config`` to the attention backend only for the call that
+  attends over the cut sequence (self-attention, not cross-attention to whole text), so that config is the marker;
+* each gather is :func:`~lightning_ndclip.core.context.attention.gather_sequence`: every cp rank holds the whole
+  output, computes the loss one device computes and counts it as its own; the gather's gradient sums the ranks'
+  (equal) gradients of each part, which makes the sum over the cp ranks the one-device gradient, for the token and
+  the per-sample mean alike (each clip's count, and the step's, counted once per cp rank on both sides).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_ndclip import _compat
+from lightning_ndclip.core.context.attention import context_parallel_attention, gather_sequence, shard_sequence
+
+__all__ = ["VERIFIED", "context_parallelize"]
+
+
+class _CutSequence:
+    """The attention processors' ``_parallel_config`` on a model made context parallel: the cp group the attention
+    over the cut sequence runs on."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int) -> None:
+        self.group, self.rank, self.size = group, rank, size
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
+        is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, **others: Any,
+    ) -> torch.Tensor:  # fmt: skip
+        """diffusers' backend call (``[batch, seq, heads, head_dim]`` tensors) over the cut sequence."""
+        refused = {"attn_mask": attn_mask is not None, "dropout_p": dropout_p > 0, "enable_gqa": enable_gqa}
+        refused.update((name, bool(value)) for name, value in others.items())
+        if any(refused.values()):
+            names = [name for name, on in refused.items() if on]
+            raise ValueError(
+                f"context parallelism on a diffusers model: its attention over the cut sequence was called with {names}, "
+                "which the ring attention does not take; train it with cp=1"
+            )
+        local = query.shape[1]
+        positions = torch.arange(self.rank * local, (self.rank + 1) * local, device=query.device)
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        out = context_parallel_attention(q, k, v, group=self.group, positions=positions, is_causal=is_causal, scale=scale)
+        return out.transpose(1, 2)
+
+
+VERIFIED = ("WanTransformer3DModel",)
+"""The model classes whose plans are tested exact against one device in float64 (``tests/test_diffusers_context.py``);
+others with a ``_cp_plan`` are refused until theirs is (their plans cut text and masks too, which needs its own
+test: LTX's cross-attention masks, Flux's joint attention, Qwen-Image's per-block entries)."""
+
+
+def context_parallelize(model: nn.Module, cp: DeviceMesh) -> None:
+    """Make ``model`` (a ``diffusers`` model with a ``_cp_plan``) context parallel over ``cp`` (see the module
+    docstring).
+
+    Raises:
+        ValueError: before any change, naming the model: it has no ``_cp_plan``, or one not yet verified
+            (:data:`VERIFIED`), an entry names a module it does not have, or an attention processor has no
+            ``_parallel_config`` (it could not be routed to the ring).
+    """
+    name = type(model).__name__
+    plan = _compat.diffusers_cp_plan(model)
+    if not plan:
+        raise ValueError(
+            f"cp > 1 with tp_plan='auto': {name} has no context-parallel plan (_cp_plan) in this diffusers release, so "
+            "nothing says where to cut its sequence; train it with cp=1"
+        )
+    if not any(c.__name__ in VERIFIED and c.__module__.startswith("diffusers.") for c in type(model).__mro__):
+        raise ValueError(
+            f"cp > 1 with tp_plan='auto': {name}'s context-parallel plan is not yet verified exact here (verified: "
+            f"{', '.join(VERIFIED)}); train it with cp=1, or cut its sequence yourself (shard_sequence and "
+            "context_parallel_attention)"
+        )
+    modules = dict(model.named_modules())
+    missing = [key for key in plan if key not in modules]
+    processors = [m.processor for m in model.modules() if getattr(m, "processor", None) is not None]
+    unrouted = sorted({type(p).__name__ for p in processors if not _compat.takes_parallel_config(p)})
+    if missing or unrouted or not processors:
+        problem = f"_cp_plan names modules it does not have: {missing}" if missing else (
+            f"its attention processors {unrouted or 'none found'} take no _parallel_config")  # fmt: skip
+        raise ValueError(f"cp > 1 with tp_plan='auto': {name}'s {problem}; train it with cp=1")
+    group, rank, size = cp.get_group(), cp.get_local_rank(), cp.size()
+    cut = functools.partial(_cut, rank=rank, size=size, model=name)
+    for key, entry in plan.items():
+        module = modules[key]
+        if isinstance(entry, Mapping):
+            inputs = {k: v for k, v in entry.items() if not v.split_output}
+            outputs = {k: v for k, v in entry.items() if v.split_output}
+            if inputs:
+                parameters = list(inspect.signature(module.forward).parameters)
+                module.register_forward_pre_hook(functools.partial(_cut_inputs, inputs, parameters, cut), with_kwargs=True)
+            if outputs:
+                module.register_forward_hook(functools.partial(_cut_outputs, outputs, cut))
+        else:
+            gathers = list(entry) if isinstance(entry, Sequence) else [entry]
+            module.register_forward_hook(functools.partial(_gather_outputs, gathers, group))
+    marker = _CutSequence(group, rank, size)
+    for processor in processors:
+        _compat.set_parallel_config(processor, marker)
+    _compat.route_diffusers_attention(_routed)
+
+
+def _routed(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """diffusers attention backend ``original``, the ring where the call attends over a cut sequence."""
+
+    @functools.wraps(original)
+    def attention(*, _parallel_config: Any = None, **kwargs: Any) -> torch.Tensor:
+        if isinstance(_parallel_config, _CutSequence):
+            return _parallel_config.attend(**kwargs)
+        return original(_parallel_config=_parallel_config, **kwargs)
+
+    return attention
+
+
+def _cut(value: Any, entry: Any, *, rank: int, size: int, model: str) -> Any:
+    """This rank's part of ``value`` by a ``ContextParallelInput`` ``entry`` (tensors of other dim counts whole)."""
+    if not isinstance(value, torch.Tensor) or (entry.expected_dims is not None and value.dim() != entry.expected_dims):
+        return value
+    if value.shape[entry.split_dim] % size:
+        raise ValueError(
+            f"context parallelism on {model}: a sequence of {value.shape[entry.split_dim]} tokens (dim "
+            f"{entry.split_dim} of a {tuple(value.shape)} tensor) is cut into cp={size} equal parts, and {size} does "
+            "not divide it: choose latent sizes whose token count cp divides"
+        )
+    return shard_sequence(value, rank, size, dim=entry.split_dim)[0]
+
+
+def _cut_inputs(
+    entries: Mapping[str | int, Any], parameters: list[str], cut: Callable[..., Any], module: nn.Module, args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:  # fmt: skip
+    args = list(args)  # type: ignore[assignment]
+    for key, entry in entries.items():
+        if isinstance(key, str) and key in kwargs:
+            kwargs[key] = _cut_each(kwargs[key], entry, cut)
+            continue
+        index = key if isinstance(key, int) else parameters.index(key) if key in parameters else len(args)
+        if index < len(args):
+            args[index] = _cut_each(args[index], entry, cut)  # type: ignore[index]
+    return tuple(args), kwargs
+
+
+def _cut_each(value: Any, entry: Any, cut: Callable[..., Any]) -> Any:
+    if isinstance(value, (list, tuple)):  # one entry per element
+        return type(value)(cut(v, e) for v, e in zip(value, entry))
+    return cut(value, entry)
+
+
+def _cut_outputs(entries: Mapping[int, Any], cut: Callable[..., Any], module: nn.Module, args: Any, output: Any) -> Any:
+    single = isinstance(output, torch.Tensor)
+    parts = [output] if single else list(output)
+    for index, entry in entries.items():
+        parts[index] = cut(parts[index], entry)
+    return parts[0] if single else type(output)(parts)
+
+
+def _gather_outputs(entries: list[Any], group: dist.ProcessGroup, module: nn.Module, args: Any, output: Any) -> Any:
+    single = isinstance(output, torch.Tensor)
+    parts = [output] if single else list(output)
+    for index, entry in enumerate(entries):
+        if entry is not None:
+            parts[index] = gather_sequence(parts[index], group, entry.gather_dim)
+    return parts[0] if single else type(output)(parts)

@@ -1,0 +1,169 @@
+"""diffusers models under context parallelism, cut where their own ``_cp_plan`` says
+(``ParallelPlan(tp_plan="auto")``), against the plain model on one process in float64.
+
+A video team's fine-tune as it is written for one device: a tiny ``WanTransformer3DModel`` in a LightningModule,
+a flow-matching loss per latent element, clips of different masked lengths, ``loss_normalization="sample_mean"``
+(each clip's mean over its own elements, then the mean over the clips of the global batch), accumulation, and
+``GlobalNormClip``. The cp ranks each run half the latent tokens through the blocks (the first block is checked to
+see half), attend over the whole clip by the ring, and gather the output the plan gathers.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("diffusers")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from diffusers import WanTransformer3DModel  # noqa: E402
+from diffusers.models.transformers.transformer_wan import WanTransformerBlock  # noqa: E402
+from harness import run_on_ranks  # noqa: E402
+from helpers import use_existing_process_group  # noqa: E402
+
+import lightning_ndclip as nd  # noqa: E402
+from lightning_ndclip.integrations.diffusers.context import _CutSequence  # noqa: E402
+
+_ATTEND = _CutSequence.attend
+
+CLIPS, STEPS, LR, MAX_NORM = 4, 3, 0.5, 0.05
+LATENT = (4, 2, 4, 4)  # channels, frames, height, width: 2 x 2 x 2 = 8 tokens of patch (1, 2, 2)
+
+
+def _wan() -> WanTransformer3DModel:
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
+        freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True, rope_max_seq_len=32,
+    )  # fmt: skip
+    return model.double()
+
+
+def _clips() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(CLIPS, *LATENT, generator=g, dtype=torch.float64)
+    noise = torch.randn(CLIPS, *LATENT, generator=g, dtype=torch.float64)
+    level = torch.rand(CLIPS, generator=g, dtype=torch.float64)
+    frames_kept = torch.tensor([2, 1, 2, 1])  # clips of different lengths: masked frames
+    mask = torch.zeros(CLIPS, *LATENT, dtype=torch.bool)
+    for i, kept in enumerate(frames_kept.tolist()):
+        mask[i, :, :kept] = True
+    text = torch.randn(CLIPS, 5, 16, generator=g, dtype=torch.float64)
+    return {"latents": latents, "noise": noise, "level": level, "mask": mask, "text": text}
+
+
+def _per_element_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Flow matching: the velocity from the clip to the noise, per latent element, ``[clips, elements]``."""
+    s = batch["level"].view(-1, 1, 1, 1, 1)
+    noisy = (1 - s) * batch["latents"] + s * batch["noise"]
+    out = model(hidden_states=noisy, timestep=batch["level"] * 1000, encoder_hidden_states=batch["text"]).sample
+    return ((out - (batch["noise"] - batch["latents"])) ** 2).flatten(1)
+
+
+class LitWan(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _wan()
+        self.first_block_tokens: list[int] = []
+        norm = self.model.blocks[0].norm1  # the first thing the first block does with its tokens
+        norm.register_forward_pre_hook(lambda m, args: self.first_block_tokens.append(args[0].shape[1]))
+
+    def sample_ids(self, batch):
+        rows = torch.arange(batch["mask"].shape[0]).view(-1, 1).expand(-1, batch["mask"][0].numel())
+        return torch.where(batch["mask"].flatten(1), rows, -1), batch["mask"].shape[0]
+
+    def training_step(self, batch, batch_idx):
+        return _per_element_losses(self.model, batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def train_dataloader(self):
+        clips = _clips()
+        rows = [{key: value[i] for key, value in clips.items()} for i in range(CLIPS)]
+        return torch.utils.data.DataLoader(rows, batch_size=1)
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    """The plain model on one process: per window (every data rank's micro-batches: all 4 clips, in an order the
+    sampler shuffles and the mean does not see), each clip's mean over its kept elements, the mean over the clips;
+    the gradient clipped to MAX_NORM; SGD."""
+    model = _wan()
+    clips = _clips()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(STEPS):
+        batch = clips
+        losses = _per_element_losses(model, batch)
+        mask = batch["mask"].flatten(1)
+        loss = ((losses * mask).sum(1) / mask.sum(1)).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _local_attention(self, query, key, value, **kwargs):
+    """The cut without the ring: each cp rank's queries attend over its own tokens only."""
+    return torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value))).transpose(1, 2)
+
+
+def _fit(layout: dict[str, int], without_ring: bool = False) -> dict:
+    use_existing_process_group()
+    if without_ring:
+        from lightning_ndclip.integrations.diffusers import context
+
+        context._CutSequence.attend = _local_attention  # the workers are reused: put back below
+    try:
+        return _train(layout)
+    finally:
+        if without_ring:
+            context._CutSequence.attend = _ATTEND
+
+
+def _train(layout: dict[str, int]) -> dict:
+    module = LitWan()
+    plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=[WanTransformerBlock])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, max_steps=STEPS, accumulate_grad_batches=CLIPS // layout.get("dp_shard", 1),
+        strategy=nd.NDParallelStrategy(**layout, plan=plan, loss_normalization="sample_mean", summary=False),
+        callbacks=[nd.GlobalNormClip(MAX_NORM)], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module)
+    params = {n: p.full_tensor().detach().clone() for n, p in module.model.named_parameters()}
+    return {"params": params, "first_block_tokens": module.first_block_tokens[0]}
+
+
+def _worst(results: list[dict], expected: dict[str, torch.Tensor]) -> float:
+    return max(float((v - expected[n]).norm() / expected[n].norm()) for r in results for n, v in r["params"].items())
+
+
+@pytest.mark.parametrize("layout", [{"dp_shard": 2, "cp": 2}, {"cp": 4}], ids=["dp_shard2xcp2", "cp4"])
+def test_wan_under_cp_equals_one_device_and_each_cp_rank_runs_its_part_of_the_tokens(layout):
+    # Wan computes its norms in float32 (hidden_states.float()): equal to one device to float32's rounding, where
+    # the cut without the ring is off by far more
+    expected = _reference()
+    results = run_on_ranks(4, _fit, layout)
+    assert [r["first_block_tokens"] for r in results] == [8 // layout["cp"]] * 4  # 8 latent tokens, cut
+    assert _worst(results, expected) < 1e-6
+    assert _worst(run_on_ranks(4, _fit, layout, True), expected) > 1e-3
+
+
+def _unverified_model_under_cp() -> str:
+    from diffusers import FluxTransformer2DModel
+
+    meshes = nd.ParallelDims(world_size=2, dp_shard=1, cp=2).build_mesh("cpu")
+    model = FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, pooled_projection_dim=8, axes_dims_rope=(2, 2, 4),
+    )  # fmt: skip
+    with pytest.raises(ValueError) as error:
+        nd.parallelize(model, meshes, tp_plan="auto")
+    return str(error.value)
+
+
+def test_a_plan_not_yet_verified_is_refused_naming_the_model_on_every_rank():
+    for message in run_on_ranks(2, _unverified_model_under_cp):
+        assert "FluxTransformer2DModel's context-parallel plan is not yet verified" in message
+        assert "WanTransformer3DModel" in message
