@@ -78,6 +78,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
 from lightning_ndclip import _compat
@@ -102,7 +103,9 @@ class VerifyOneDevice(Callback):
         on_mismatch: ``"raise"`` (default): a ``ValueError`` on every rank; ``"warn"``: a warning.
         rtol: the largest relative error ``|g - g_ref| / |g_ref|`` of a gradient (and of the loss and
             the total norm) that counts as equal; default by the parameters' dtype: 1e-4 (float32),
-            2e-2 (bfloat16), 5e-3 (float16), 1e-8 (float64).
+            2e-2 (bfloat16), 5e-3 (float16), 1e-8 (float64), or by the least precise dtype the model casts its
+            activations to in the one-process replay, where that is lower (a float64 model whose norms compute in
+            float32; the report names the first such cast).
         rows: how many of the worst parameters the report lists.
         whole_window: with ``count_tokens``, also replay the window as one batch (its micro-batches
             concatenated), which one device would see, and compare it with the micro-batches weighted
@@ -272,7 +275,9 @@ class VerifyOneDevice(Callback):
         for library in libraries.registered():  # a model whose loss the plan computes on vocabulary shards: the same function
             library.replay_loss_parallel(pl_module, self._plain)
         try:
-            plain, dtype, window_loss, pooled = _replay(self._plain, data, one_process, None if draws is None else draws.pieces)
+            plain, dtype, window_loss, pooled, computed = _replay(
+                self._plain, data, one_process, None if draws is None else draws.pieces
+            )
         except PeersDrewApart as error:
             return self._unreplayed(k, len(data), draws, f"MISMATCH: {error}")
         except NotReplayable as error:
@@ -282,7 +287,7 @@ class VerifyOneDevice(Callback):
         # Lightning reports each micro-batch's loss over k; a pipeline's is its share of the window already
         parallel_loss = sum(losses.values()) * (k if pipeline else 1) / (1 if normalized else len(data))
         ref_loss = window_loss
-        dtypes = {p.dtype for p in pl_module.parameters()}
+        dtypes = {p.dtype for p in pl_module.parameters()} | ({computed.dtype} if computed is not None else set())
         rtol = self.rtol if self.rtol is not None else max(_RTOL.get(d, 1e-4) for d in dtypes)
         stage_ties = [tuple(f"{pipeline.module}.{n}" for n in tie) for tie in pipeline.tied_parameters] if pipeline else []
         parallel_ties = [tuple(_plain_name(n, pipeline) for n in tie) for tie in tied_parameters(pl_module)] + stage_ties
@@ -318,6 +323,7 @@ class VerifyOneDevice(Callback):
             *(f"    {name:<44} {err:9.1e}  {cause}" for name, err, cause in rows[: self.rows]),
             *([] if window is None else [f"  as one batch {window.summary()}"]),
             *([] if draws is None else [f"  random draws  {draws.summary()}"]),
+            *([] if computed is None else [f"  precision   {computed.summary(dtype)}"]),
             f"  verdict: {verdict}",
             self._cost(),
         ]
@@ -497,14 +503,51 @@ def _on_cpu(batch: Any) -> Any:
     return apply_to_collection(move_data_to_device(batch, "cpu"), torch.Tensor, lambda t: t.detach().clone())
 
 
+class _LowestPrecision(TorchFunctionMode):
+    """The least precise floating dtype the model casts its activations (tensors with a gradient) to inside, and the
+    first call that does: a model run in float64 may compute parts in float32 (diffusers' Wan casts its norms'
+    inputs ``.float()``), and its gradients then agree with one device's to float32's rounding, not float64's. Casts
+    of tensors without a gradient (a rotary table computed in float32 from a buffer) leave the comparison exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtype: torch.dtype | None = None
+        self.op = ""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        source = args[0] if args else None
+        if (
+            isinstance(source, torch.Tensor) and isinstance(out, torch.Tensor) and source.requires_grad
+            and source.is_floating_point() and out.is_floating_point()
+            and torch.finfo(out.dtype).eps > torch.finfo(source.dtype).eps
+            and (self.dtype is None or torch.finfo(out.dtype).eps > torch.finfo(self.dtype).eps)
+        ):  # fmt: skip
+            self.dtype, self.op = out.dtype, getattr(func, "__name__", str(func))
+        return out
+
+
+@dataclass(frozen=True)
+class _Computed:
+    """A precision below the replay's own dtype that the model cast its activations to (:class:`_LowestPrecision`)."""
+
+    dtype: torch.dtype
+    op: str
+
+    def summary(self, replayed_in: torch.dtype) -> str:
+        name, run = (str(d).replace("torch.", "") for d in (self.dtype, replayed_in))
+        return f"the model casts activations to {name} (first: .{self.op}()) while run in {run}: compared to {name}'s rounding"
+
+
 def _replay(
     plain: pl.LightningModule,
     data: list[list[tuple[int, Any]]],
     trainer: _OneProcess,
     draws: list[_PieceDraws] | None = None,
-) -> tuple[pl.LightningModule, torch.dtype, float, bool]:
+) -> tuple[pl.LightningModule, torch.dtype, float, bool, _Computed | None]:
     """A copy of ``plain`` holding the window's gradient, in float64 if the module runs in it (else
-    float32), its dtype, the window's loss, and whether its steps return a ``"load_balancing_loss"``.
+    float32), its dtype, the window's loss, whether its steps return a ``"load_balancing_loss"``, and the precision
+    below that dtype the model cast its activations to, if any.
 
     ``data`` holds each data rank's micro-batches; ``draws``, if the step drew random numbers, each micro-batch's
     (in the same order), which its ``training_step`` then draws. A step that returns a load-balancing loss (of the
@@ -514,12 +557,14 @@ def _replay(
     for dtype in (torch.float64, torch.float32):
         model = _copy(plain, trainer, dtype)
         try:
-            pool = PooledRouting()
-            window = _accumulate(model, pieces, trainer.strategy, dtype, pool.record, draws)
+            pool, lowest = PooledRouting(), _LowestPrecision()
+            with lowest:
+                window = _accumulate(model, pieces, trainer.strategy, dtype, pool.record, draws)
             if pool.used:
                 model.zero_grad(set_to_none=True)
                 window = _accumulate(model, pieces, trainer.strategy, dtype, pool.apply, draws)
-            return model, dtype, window, pool.used
+            below = lowest.dtype is not None and torch.finfo(lowest.dtype).eps > torch.finfo(dtype).eps
+            return model, dtype, window, pool.used, _Computed(lowest.dtype, lowest.op) if below else None  # type: ignore[arg-type]
         except (RuntimeError, TypeError):
             if dtype == torch.float32:
                 raise
