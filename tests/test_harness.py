@@ -132,6 +132,9 @@ def test_a_tasks_process_groups_are_destroyed_when_it_returns():
 def _leak_a_thread() -> None:
     import threading
 
+    import harness
+
+    harness.THREAD_SETTLE_S = 0.5  # the thread never ends: no need to wait 10 s to see it (the failed pool is replaced)
     stop = threading.Event()
     threading.Thread(target=stop.wait, name="left-behind", daemon=True).start()
 
