@@ -1,11 +1,12 @@
 """diffusers models under context parallelism, cut where their own ``_cp_plan`` says
 (``ParallelPlan(tp_plan="auto")``), against the plain model on one process in float64.
 
-A video team's fine-tune as it is written for one device: a tiny ``WanTransformer3DModel`` in a LightningModule,
-a flow-matching loss per latent element, clips of different masked lengths, ``loss_normalization="sample_mean"``
-(each clip's mean over its own elements, then the mean over the clips of the global batch), accumulation, and
-``GlobalNormClip``. The cp ranks each run half the latent tokens through the blocks (the first block is checked to
-see half), attend over the whole clip by the ring, and gather the output the plan gathers.
+A video team's fine-tune as it is written for one device: a tiny ``WanTransformer3DModel`` (and ChronoEdit, built
+of the same blocks) in a LightningModule, a flow-matching loss per latent element, clips of different masked
+lengths, ``loss_normalization="sample_mean"`` (each clip's mean over its own elements, then the mean over the clips
+of the global batch), accumulation, activation checkpointing and ``GlobalNormClip``. The cp ranks each run their
+part of the latent tokens through the blocks (the first block is checked to see it), attend over the whole clip by
+the ring, and gather the output the plan gathers.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ pytest.importorskip("diffusers")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from diffusers import WanTransformer3DModel  # noqa: E402
+from diffusers import ChronoEditTransformer3DModel, WanTransformer3DModel  # noqa: E402
 from diffusers.models.transformers.transformer_wan import WanTransformerBlock  # noqa: E402
 from harness import run_on_ranks  # noqa: E402
 from helpers import use_existing_process_group  # noqa: E402
@@ -30,9 +31,12 @@ CLIPS, STEPS, LR, MAX_NORM = 4, 3, 0.5, 0.05
 LATENT = (4, 2, 4, 4)  # channels, frames, height, width: 2 x 2 x 2 = 8 tokens of patch (1, 2, 2)
 
 
-def _wan() -> WanTransformer3DModel:
+FAMILIES = {"Wan": WanTransformer3DModel, "ChronoEdit": ChronoEditTransformer3DModel}
+
+
+def _wan(family: str = "Wan") -> torch.nn.Module:
     torch.manual_seed(0)
-    model = WanTransformer3DModel(
+    model = FAMILIES[family](
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
         freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True, rope_max_seq_len=32,
     )  # fmt: skip
@@ -61,9 +65,9 @@ def _per_element_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) 
 
 
 class LitWan(L.LightningModule):
-    def __init__(self, draw_noise: bool = False) -> None:
+    def __init__(self, draw_noise: bool = False, family: str = "Wan") -> None:
         super().__init__()
-        self.model = _wan()
+        self.model = _wan(family)
         self.draw_noise = draw_noise  # drawn in the step, as a training recipe does, instead of read from the data
         self.first_block_tokens: list[int] = []
         norm = self.model.blocks[0].norm1  # the first thing the first block does with its tokens
@@ -87,11 +91,11 @@ class LitWan(L.LightningModule):
         return torch.utils.data.DataLoader(rows, batch_size=1)
 
 
-def _reference() -> dict[str, torch.Tensor]:
+def _reference(family: str = "Wan") -> dict[str, torch.Tensor]:
     """The plain model on one process: per window (every data rank's micro-batches: all 4 clips, in an order the
     sampler shuffles and the mean does not see), each clip's mean over its kept elements, the mean over the clips;
     the gradient clipped to MAX_NORM; SGD."""
-    model = _wan()
+    model = _wan(family)
     clips = _clips()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for _ in range(STEPS):
@@ -125,8 +129,11 @@ def _fit(layout: dict[str, int], without_ring: bool = False) -> dict:
 
 
 def _train(layout: dict[str, int]) -> dict:
-    module = LitWan()
-    plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=[WanTransformerBlock])
+    layout = dict(layout)
+    module = LitWan(family=layout.pop("family", "Wan"))
+    block = type(module.model.blocks[0])  # ChronoEdit's is a class of its own, of the same name
+    checkpointed = [block] if layout.pop("checkpointing", False) else []
+    plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=[block], activation_checkpointing=checkpointed)
     trainer = L.Trainer(
         accelerator="cpu", devices=4, max_steps=STEPS, accumulate_grad_batches=CLIPS // layout.get("dp_shard", 1),
         strategy=nd.NDParallelStrategy(**layout, plan=plan, loss_normalization="sample_mean", summary=False),
@@ -134,7 +141,8 @@ def _train(layout: dict[str, int]) -> dict:
         enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(module)
-    params = {n: p.full_tensor().detach().clone() for n, p in module.model.named_parameters()}
+    unwrapped = {n.replace("._checkpoint_wrapped_module", ""): p for n, p in module.model.named_parameters()}
+    params = {n: p.full_tensor().detach().clone() for n, p in unwrapped.items()}
     return {"params": params, "first_block_tokens": module.first_block_tokens[0]}
 
 
@@ -142,11 +150,18 @@ def _worst(results: list[dict], expected: dict[str, torch.Tensor]) -> float:
     return max(float((v - expected[n]).norm() / expected[n].norm()) for r in results for n, v in r["params"].items())
 
 
-@pytest.mark.parametrize("layout", [{"dp_shard": 2, "cp": 2}, {"cp": 4}], ids=["dp_shard2xcp2", "cp4"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"dp_shard": 2, "cp": 2}, {"cp": 4}, {"dp_shard": 2, "cp": 2, "checkpointing": True},
+        {"dp_shard": 2, "cp": 2, "family": "ChronoEdit"},
+    ],
+    ids=["Wan-dp_shard2xcp2", "Wan-cp4", "Wan-dp_shard2xcp2-checkpointed", "ChronoEdit-dp_shard2xcp2"],
+)
 def test_wan_under_cp_equals_one_device_and_each_cp_rank_runs_its_part_of_the_tokens(layout):
     # Wan computes its norms in float32 (hidden_states.float()): equal to one device to float32's rounding, where
     # the cut without the ring is off by far more
-    expected = _reference()
+    expected = _reference(layout.get("family", "Wan"))
     results = run_on_ranks(4, _fit, layout)
     assert [r["first_block_tokens"] for r in results] == [8 // layout["cp"]] * 4  # 8 latent tokens, cut
     assert _worst(results, expected) < 1e-6

@@ -65,7 +65,7 @@ class _CutSequence:
         return out.transpose(1, 2)
 
 
-VERIFIED = ("WanTransformer3DModel",)
+VERIFIED = ("WanTransformer3DModel", "ChronoEditTransformer3DModel")
 """The model classes whose plans are tested exact against one device in float64 (``tests/test_diffusers_context.py``);
 others with a ``_cp_plan`` are refused until theirs is (their plans cut text and masks too, which needs its own
 test: LTX's cross-attention masks, Flux's joint attention, Qwen-Image's per-block entries)."""
