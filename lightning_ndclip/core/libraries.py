@@ -13,6 +13,7 @@ one of its models raises (:func:`require_models`, naming the extra to install).
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -33,6 +34,7 @@ __all__ = [
     "expert_routing",
     "library_of",
     "models",
+    "outermost",
     "register",
     "registered",
     "require_models",
@@ -135,6 +137,22 @@ class ModelLibrary:
     ) -> None:
         """Load the library's checkpoint ``directory`` into ``model``'s shards."""
         raise NotImplementedError(f"{type(self).__name__} loads no checkpoints")
+
+
+def outermost(module: nn.Module, base_class: str) -> list[tuple[str, nn.Module]]:
+    """The outermost instances inside ``module`` (itself included), with their names, of the class ``base_class``
+    (``"transformers.modeling_utils:PreTrainedModel"``) if its module is imported, else none: a model of a library
+    cannot exist before its model classes do, so a library that is not imported (or not installed) has no models,
+    and nothing is imported to find that out."""
+    where, _, name = base_class.partition(":")
+    base = getattr(sys.modules.get(where), name, None)
+    if base is None:
+        return []
+    found: list[tuple[str, nn.Module]] = []
+    for child_name, child in module.named_modules():
+        if isinstance(child, base) and not any(child_name.startswith(f"{outer}.") or not outer for outer, _ in found):
+            found.append((child_name, child))
+    return found
 
 
 class LibraryModel(NamedTuple):

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_ndclip.core.libraries import ModelLibrary
+from lightning_ndclip.core.libraries import ModelLibrary, outermost
 from lightning_ndclip.integrations.diffusers import context
 
 
@@ -19,14 +17,7 @@ class Diffusers(ModelLibrary):
 
     def models(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
         """The outermost ``ModelMixin``\\ s inside ``module``; none before ``diffusers`` has loaded its model classes."""
-        mixin = getattr(sys.modules.get("diffusers.models.modeling_utils"), "ModelMixin", None)
-        if mixin is None:
-            return []
-        found: list[tuple[str, nn.Module]] = []
-        for name, child in module.named_modules():
-            if isinstance(child, mixin) and not any(name.startswith(f"{outer}.") or not outer for outer, _ in found):
-                found.append((name, child))
-        return found
+        return outermost(module, "diffusers.models.modeling_utils:ModelMixin")
 
     def context_parallelize(self, model: nn.Module, cp: DeviceMesh) -> None:
         context.context_parallelize(model, cp)

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import sys
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -61,7 +60,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from lightning_ndclip import _compat
-from lightning_ndclip.core.libraries import ExpertRouting
+from lightning_ndclip.core.libraries import ExpertRouting, outermost
 from lightning_ndclip.core.parallel.expert_parallel import ExpertParallel
 from lightning_ndclip.core.parallel.expert_tensor_parallel import PackedExpertsParallel
 from lightning_ndclip.core.parallel.loss_parallel import vocab_parallel_cross_entropy
@@ -153,15 +152,7 @@ _INSTALL = "pip install 'lightning_ndclip[hf]'"
 def transformers_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The outermost ``transformers`` models inside ``module`` (itself included), with their names; none where
     ``transformers`` is not installed, or not imported (no model of it can exist before its model classes are)."""
-    modeling = sys.modules.get("transformers.modeling_utils")  # where every transformers model class comes from
-    pretrained = getattr(modeling, "PreTrainedModel", None)
-    if pretrained is None:
-        return []
-    found: list[tuple[str, nn.Module]] = []
-    for name, child in module.named_modules():
-        if isinstance(child, pretrained) and not any(name.startswith(f"{outer}.") or not outer for outer, _ in found):
-            found.append((name, child))
-    return found
+    return outermost(module, "transformers.modeling_utils:PreTrainedModel")
 
 
 def require_transformers(feature: str) -> None:
