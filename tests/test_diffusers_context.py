@@ -6,7 +6,7 @@ of the same blocks) in a LightningModule, a flow-matching loss per latent elemen
 lengths, ``loss_normalization="sample_mean"`` (each clip's mean over its own elements, then the mean over the clips
 of the global batch), accumulation, activation checkpointing and ``GlobalNormClip``. The cp ranks each run their
 part of the latent tokens through the blocks (the first block is checked to see it), attend over the whole clip by
-the ring, and gather the output the plan gathers.
+the ring, and gather the output the plan gathers. Flux's plan cuts its text tokens too (joint attention over both).
 """
 
 from __future__ import annotations
@@ -190,12 +190,12 @@ def test_verify_one_device_replays_the_cut_model_and_its_drawn_noise_on_one_proc
 
 
 def _unverified_model_under_cp() -> str:
-    from diffusers import FluxTransformer2DModel
+    from diffusers import LTXVideoTransformer3DModel
 
     meshes = nd.ParallelDims(world_size=2, dp_shard=1, cp=2).build_mesh("cpu")
-    model = FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
-        joint_attention_dim=16, pooled_projection_dim=8, axes_dims_rope=(2, 2, 4),
+    model = LTXVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16, num_layers=1,
+        caption_channels=16,
     )  # fmt: skip
     with pytest.raises(ValueError) as error:
         nd.parallelize(model, meshes, tp_plan="auto")
@@ -204,5 +204,113 @@ def _unverified_model_under_cp() -> str:
 
 def test_a_plan_not_yet_verified_is_refused_naming_the_model_on_every_rank():
     for message in run_on_ranks(2, _unverified_model_under_cp):
-        assert "FluxTransformer2DModel's context-parallel plan is not yet verified" in message
+        assert "LTXVideoTransformer3DModel's context-parallel plan is not yet verified" in message
         assert "WanTransformer3DModel" in message
+
+
+# --- Flux: image and text tokens cut alike, joint attention over both -------------------------------------------
+
+FLUX_TOKENS, FLUX_TEXT = 8, 4
+
+
+def _flux() -> torch.nn.Module:
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, pooled_projection_dim=8, axes_dims_rope=(2, 2, 4),
+    ).double()  # fmt: skip
+
+
+def _flux_clips() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    shape = (CLIPS, FLUX_TOKENS, 4)
+    mask = torch.ones(shape, dtype=torch.bool)
+    mask[1, 6:] = mask[3, 4:] = False  # images of different sizes: padded tokens
+    return {
+        "latents": torch.randn(shape, generator=g, dtype=torch.float64),
+        "noise": torch.randn(shape, generator=g, dtype=torch.float64),
+        "level": torch.rand(CLIPS, generator=g, dtype=torch.float64),
+        "mask": mask,
+        "text": torch.randn(CLIPS, FLUX_TEXT, 16, generator=g, dtype=torch.float64),
+        "pooled": torch.randn(CLIPS, 8, generator=g, dtype=torch.float64),
+    }
+
+
+def _flux_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    grid = torch.meshgrid(torch.zeros(1), torch.arange(2.0), torch.arange(FLUX_TOKENS / 2), indexing="ij")
+    img_ids = torch.stack(grid, -1).reshape(-1, 3).double()
+    s = batch["level"].view(-1, 1, 1)
+    noisy = (1 - s) * batch["latents"] + s * batch["noise"]
+    out = model(
+        hidden_states=noisy, encoder_hidden_states=batch["text"], pooled_projections=batch["pooled"],
+        timestep=batch["level"], img_ids=img_ids, txt_ids=torch.zeros(FLUX_TEXT, 3, dtype=torch.float64),
+    ).sample  # fmt: skip
+    return ((out - (batch["noise"] - batch["latents"])) ** 2).flatten(1)
+
+
+class LitFlux(LitWan):
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.model = _flux()
+        self.first_block_tokens = []
+        norm = self.model.transformer_blocks[0].norm1  # the first block's image tokens
+        norm.register_forward_pre_hook(lambda m, args: self.first_block_tokens.append(args[0].shape[1]))
+
+    def training_step(self, batch, batch_idx):
+        return _flux_losses(self.model, batch)
+
+    def train_dataloader(self):
+        clips = _flux_clips()
+        return torch.utils.data.DataLoader([{k: v[i] for k, v in clips.items()} for i in range(CLIPS)], batch_size=1)
+
+
+def _flux_reference() -> dict[str, torch.Tensor]:
+    model, clips = _flux(), _flux_clips()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(STEPS):
+        losses, mask = _flux_losses(model, clips), clips["mask"].flatten(1)
+        optimizer.zero_grad()
+        ((losses * mask).sum(1) / mask.sum(1)).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _fit_flux(without_ring: bool = False) -> dict:
+    use_existing_process_group()
+    if without_ring:
+        from lightning_ndclip.integrations.diffusers import context
+
+        context._CutSequence.attend = _local_attention  # the workers are reused: put back below
+    try:
+        return _train_flux()
+    finally:
+        if without_ring:
+            context._CutSequence.attend = _ATTEND
+
+
+def _train_flux() -> dict:
+    module = LitFlux()
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+
+    plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=[FluxTransformerBlock, FluxSingleTransformerBlock])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, max_steps=STEPS, accumulate_grad_batches=2,
+        strategy=nd.NDParallelStrategy(dp_shard=2, cp=2, plan=plan, loss_normalization="sample_mean", summary=False),
+        callbacks=[nd.GlobalNormClip(MAX_NORM)], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module)
+    params = {n: p.full_tensor().detach().clone() for n, p in module.model.named_parameters()}
+    return {"params": params, "first_block_tokens": module.first_block_tokens[0]}
+
+
+def test_flux_under_cp_with_text_and_image_tokens_cut_equals_one_device():
+    # the plan cuts the text tokens too: each cp rank's joint attention holds its part of both, the ring the rest
+    expected = _flux_reference()
+    results = run_on_ranks(4, _fit_flux)
+    assert [r["first_block_tokens"] for r in results] == [FLUX_TOKENS // 2] * 4
+    assert _worst(results, expected) < 1e-6
+    assert _worst(run_on_ranks(4, _fit_flux, True), expected) > 1e-3

@@ -65,10 +65,10 @@ class _CutSequence:
         return out.transpose(1, 2)
 
 
-VERIFIED = ("WanTransformer3DModel", "ChronoEditTransformer3DModel")
+VERIFIED = ("WanTransformer3DModel", "ChronoEditTransformer3DModel", "FluxTransformer2DModel")
 """The model classes whose plans are tested exact against one device in float64 (``tests/test_diffusers_context.py``);
-others with a ``_cp_plan`` are refused until theirs is (their plans cut text and masks too, which needs its own
-test: LTX's cross-attention masks, Flux's joint attention, Qwen-Image's per-block entries)."""
+others with a ``_cp_plan`` are refused until theirs is (LTX's cut cross-attention masks, which the ring does not
+take; Qwen-Image's wildcard entries; Flux 2, Helios, Cosmos 3 untested)."""
 
 
 def context_parallelize(model: nn.Module, cp: DeviceMesh) -> None:
