@@ -761,7 +761,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             f"NDParallelStrategy(cp={cp}): the first training step of {type(self._module).__name__} cut no sequence "
             f"along cp and attended over none, so each of the {cp} cp ranks computed the whole sequence (context "
             "parallelism did nothing). Give the model's own plans (ParallelPlan(tp_plan='auto'), for a model of a "
-            "library whose adapter cuts it: transformers), or cut the batch in training_step with "
+            "library whose adapter cuts it: transformers, diffusers), or cut the batch in training_step with "
             "lightning_ndclip.shard_sequence and attend with context_parallel_attention; or train with cp=1"
         )
         raise ValueError(problem)
@@ -775,8 +775,8 @@ class NDParallelStrategy(ModelParallelStrategy):
 
     @property
     def _cuts_sequences(self) -> bool:
-        """Whether the strategy cuts each batch along the sequence for the ``transformers`` models (``tp_plan="auto"``,
-        ``cp > 1``; :mod:`~lightning_ndclip.integrations.transformers.context`)."""
+        """Whether the library models' own plans cut their sequences along cp (``tp_plan="auto"``, ``cp > 1``): the batch
+        by their library's :meth:`~lightning_ndclip.core.libraries.ModelLibrary.cut_batch`."""
         return self._plan.tp_plan == "auto" and self.parallel_dims.cp > 1
 
     def _run_step(
