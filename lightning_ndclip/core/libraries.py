@@ -148,6 +148,8 @@ def outermost(module: nn.Module, base_class: str) -> list[tuple[str, nn.Module]]
     base = getattr(sys.modules.get(where), name, None)
     if base is None:
         return []
+    if isinstance(module, base):  # itself: nothing inside it is outermost (library_of asks this of every model)
+        return [("", module)]
     found: list[tuple[str, nn.Module]] = []
     for child_name, child in module.named_modules():
         if isinstance(child, base) and not any(child_name.startswith(f"{outer}.") or not outer for outer, _ in found):
