@@ -381,3 +381,95 @@ def test_a_pipeline_or_context_parallel_trap_is_caught(case, world, named):
     for result in results:
         assert len(result["warned"]) == 1 and "MISMATCH" in result["warned"][0], result["warned"]
     assert named in results[0]["report"], results[0]["report"]
+
+
+# --- the Lightning habit (each micro-batch's own mean) on dp x tp: it trains, and the report names the mean ---------
+
+
+class _Attention(nn.Module):
+    def __init__(self, width: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+        self.head_dim = width // heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape  # -1 heads: the local ones under a colwise q / k / v
+        q, k, v = (f(x).view(b, s, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class _QKVBlock(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm1, self.attn, self.norm2 = nn.LayerNorm(width), _Attention(width), nn.LayerNorm(width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm2(x))))
+
+
+class _QKVLM(L.LightningModule):
+    """Separate q / k / v, layer norms outside the split region, a per-micro-batch mean; counts its tokens (so that
+    VerifyOneDevice knows the mean meant: over the window's tokens)."""
+
+    def __init__(self, vocab: int = 32, width: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList([_QKVBlock(width), _QKVBlock(width)])
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+    def count_tokens(self, batch) -> torch.Tensor:
+        return (batch[1] != -100).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        return token_batches(vocab=32)
+
+
+def _default_loss_tp_case() -> dict:
+    use_existing_process_group()
+    plan = {f"layers.*.{name}": ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "fc1")}
+    plan |= {"layers.*.attn.o": RowwiseParallel(), "layers.*.fc2": RowwiseParallel()}
+    strategy = nd.NDParallelStrategy(dp_shard=2, tp=2, summary=False, plan=nd.ParallelPlan(tp_plan=plan, fsdp_units=[_QKVBlock]))
+    verify = nd.VerifyOneDevice(on_mismatch="warn")
+    module = _QKVLM()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=3, accumulate_grad_batches=2, logger=False,
+        callbacks=[verify, nd.GlobalNormClip(1.0)], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module)
+    norms = {n: p.to_local().detach().clone() for n, p in module.named_parameters() if "norm" in n}
+    warned = [str(w.message) for w in caught if "VerifyOneDevice" in str(w.message)]
+    return {"report": verify.report, "warned": warned, "steps": trainer.global_step, "norms": norms}
+
+
+def test_the_per_micro_batch_mean_trains_on_dp_x_tp_and_is_reported_against_one_device():
+    """The strategy's default loss (each micro-batch's own mean, averaged: not one device's token mean when
+    micro-batches hold different token counts) trains on dp_shard x tp: the replica-gradient check stays quiet
+    (the layer norms outside the split region get one gradient on both tp ranks, and stay equal), and
+    VerifyOneDevice names the mismatch it documents."""
+    results = run_on_ranks(4, _default_loss_tp_case)
+    assert [r["steps"] for r in results] == [3] * 4
+    for a, b in ((0, 1), (2, 3)):  # tp peers (tp is the inner mesh dim): the copies did not drift
+        for name, value in results[a]["norms"].items():
+            torch.testing.assert_close(value, results[b]["norms"][name], rtol=0, atol=0, msg=name)
+    report = results[0]["report"]
+    assert "verdict: MISMATCH" in report and "loss        parallel" in report, report
+    worst = report.split("worst parameters")[1].splitlines()[1:6]
+    assert all(line.split()[0].startswith("layers.") for line in worst), report  # named weights
+    assert all(len(r["warned"]) == 1 and "MISMATCH" in r["warned"][0] for r in results)
