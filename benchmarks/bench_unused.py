@@ -1,4 +1,4 @@
-"""Benchmark: what ``find_unused_parameters=True`` costs in a training step (CPU, gloo).
+"""Benchmark: what ``find_unused_parameters=True``, and the check that runs without it, cost in a training step (CPU, gloo).
 
 ``NDParallelStrategy(find_unused_parameters=True)`` adds to a step (``core/parallel/unused.py``): per
 FSDP2 unit forward, one host-side all-gather of an int (``UnusedParameters._agree``, from the unit's
@@ -8,7 +8,9 @@ reduces the gradients at every micro-batch instead of once per accumulation wind
 times the whole optimizer step with the option off and on, fits interleaved A/B/A/B (a shared 2-core
 machine varies by 10-30 % from fit to fit), with ``accumulate_grad_batches`` 1 and 2 (2 adds the
 reduction of every micro-batch); and inside the "on" fit, the time spent in ``_agree`` and in
-``prepare_backward``, by wrapping those methods of the strategy's ``UnusedParameters`` once set up.
+``prepare_backward``, by wrapping those methods of the strategy's ``UnusedParameters`` once set up. Without
+the option the strategy runs ``UnusedParametersCheck`` (a graph walk per backward, one host-side
+all-gather of a byte per parameter per window): its ``prepare_backward`` is timed inside the "off" fit.
 
 The model, data and timing are ``bench_step.py``'s (FSDP2 over 4 ranks, AdamW, GlobalNormClip);
 every rank runs every unit, so no zero gradient is added: the option's overhead alone. A step is an
@@ -42,12 +44,13 @@ SEGMENTS = {  # the UnusedParameters methods timed inside the "on" fit, and what
     "_agree": "checks: one int all-gather per FSDP2 unit forward and one at the forward's end",
     "prepare_backward": "prepare backward: the autograd graph walk and the flags' all-reduce",
 }
+CHECK = "check"  # the off fit's segment: UnusedParametersCheck.prepare_backward
 ACCUMULATE = (1, 2)
 
 
 class UnusedSegments(L.Callback):
-    """Wraps the strategy's ``UnusedParameters`` once set up, and opens a new slot per segment at every
-    micro-batch start from ``warmup`` on (as ``StepTimer``'s times)."""
+    """Wraps the strategy's ``UnusedParameters`` (or, off, its ``UnusedParametersCheck``) once set up, and opens a
+    new slot per segment at every micro-batch start from ``warmup`` on (as ``StepTimer``'s times)."""
 
     def __init__(self, warmup: int, spent: dict[str, list[float]]) -> None:
         self.warmup, self.spent = warmup, spent
@@ -56,7 +59,7 @@ class UnusedSegments(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         unused = trainer.strategy._unused
         self.units = len(unused.units)
-        for name in SEGMENTS:
+        for name in self.spent:
             time_method(unused, name, self.spent)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -75,17 +78,18 @@ def run_fit(on: bool, k: int, args: argparse.Namespace) -> dict:
     module = StepModel(args.layers, n_samples, "adamw", args.fsdp_units)
     strategy = NDParallelStrategy(dp_shard=args.world_size, find_unused_parameters=on)
     timer = StepTimer(args.warmup * k)  # micro-batches: the timed ones start a window
-    spent: dict[str, list[float]] = {name: [] for name in SEGMENTS}
+    spent: dict[str, list[float]] = {name: [] for name in (SEGMENTS if on else ("prepare_backward",))}
     segments = UnusedSegments(args.warmup * k, spent)
     trainer = L.Trainer(
         accelerator="cpu", devices=args.world_size, strategy=strategy, logger=NullLogger(), log_every_n_steps=1,
-        callbacks=[timer, GlobalNormClip(1.0), *([segments] if on else [])], accumulate_grad_batches=k,
+        callbacks=[timer, GlobalNormClip(1.0), segments], accumulate_grad_batches=k,
         max_steps=args.warmup + args.steps + 1, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(module)
     steps = _per_step(timer.times, k)
-    return {"step_ms": steps, "units": segments.units, **{n: _per_step(t, k)[: len(steps)] for n, t in spent.items()}}
+    times = {n if on else CHECK: _per_step(t, k)[: len(steps)] for n, t in spent.items()}
+    return {"step_ms": steps, "units": segments.units, **times}
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, out_json: str) -> None:
@@ -99,10 +103,9 @@ def worker(rank: int, args: argparse.Namespace, port: int, out_json: str) -> Non
                 gathered: list = [None] * args.world_size
                 dist.all_gather_object(gathered, mine)
                 row[f"{'on' if on else 'off'}_step_ms"] = max(statistics.median(r["step_ms"]) for r in gathered)
-                if on:  # per step the least any rank spent, then the median over steps
-                    row["units"] = mine["units"]
-                    for name in SEGMENTS:
-                        row[name] = statistics.median(min(per_rank) for per_rank in zip(*(r[name] for r in gathered)))
+                row["units"] = mine["units"]
+                for name in SEGMENTS if on else (CHECK,):  # per step the least any rank spent, then the median
+                    row[name] = statistics.median(min(per_rank) for per_rank in zip(*(r[name] for r in gathered)))
             rows.append(row)
             if rank == 0:
                 print(row, flush=True)
@@ -125,18 +128,22 @@ def write_markdown(data: dict, path: Path) -> None:
             f"every unit. k: `accumulate_grad_batches`; a step is an optimizer step (k micro-batches). Median over "
             f"{a['steps']} steps after {a['warmup']} warm-up steps. Steps: the max over ranks of the per-rank medians, "
             "fits interleaved off/on; segments: the least any rank spent per step, median over steps, timed inside the "
-            "`find_unused_parameters=True` fit."
+            "`find_unused_parameters=True` fit (the check: inside the off fit)."
         ),
         "",
         *(f"* **`UnusedParameters.{name}`**: {what}" for name, what in SEGMENTS.items()),
+        "* **check (off)**: `UnusedParametersCheck.prepare_backward`, the graph walk per backward and one all-gather of "
+        "the flags per window, what runs without the option",
         "",
-        "| run | k | step ms, off | step ms, on | on / off | checks ms | prepare backward ms | both / step (on) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | k | step ms, off | check ms (off) | check / step | step ms, on | on / off | checks ms | "
+        "prepare backward ms | both / step (on) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         both = sum(r[name] for name in SEGMENTS)
         lines.append(
-            f"| {r['run']} | {r['accumulate']} | {r['off_step_ms']:.1f} | {r['on_step_ms']:.1f} | "
+            f"| {r['run']} | {r['accumulate']} | {r['off_step_ms']:.1f} | {r[CHECK]:.2f} | "
+            f"{100 * r[CHECK] / r['off_step_ms']:.1f} % | {r['on_step_ms']:.1f} | "
             f"{r['on_step_ms'] / r['off_step_ms']:.2f} | "
             + " | ".join(f"{r[name]:.2f}" for name in SEGMENTS)
             + f" | {100 * both / r['on_step_ms']:.1f} % |"
@@ -154,6 +161,7 @@ def write_plot(data: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r["off_step_ms"] for r in rows], 0.4, label="off: step")
+    ax.bar([x - 0.2 for x in xs], [r[CHECK] for r in rows], 0.4, label="off: in the check")
     ax.bar([x + 0.2 for x in xs], [r["on_step_ms"] for r in rows], 0.4, label="on: step")
     bottom = [0.0] * len(rows)
     for name in SEGMENTS:  # the on fit's segments, inside its bar

@@ -50,6 +50,7 @@ __all__ = [
     "dtensor_spec",
     "flatten_mesh",
     "foreach_mul_",
+    "fsdp_unit_layout",
     "fsdp_unsharded_parameters",
     "foreach_norm",
     "group_by_device_and_dtype",
@@ -86,6 +87,10 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "StridedShard": ("torch.distributed.tensor.placement_types:_StridedShard",),
     "AsyncCollectiveTensor": ("torch.distributed._functional_collectives:AsyncCollectiveTensor",),
     "view_base": ("torch:Tensor._base",),
+    "fsdp_unit_layout": (
+        "torch.distributed.fsdp:FSDPModule._get_fsdp_state",
+        "torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState._fsdp_param_group",
+    ),
     "fsdp_unsharded_parameters": (
         "torch.distributed.fsdp:FSDPModule._get_fsdp_state",
         "torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState._fsdp_param_group",
@@ -195,6 +200,17 @@ def dynamo_counters() -> Any:
     from torch._dynamo.utils import counters
 
     return counters
+
+
+def fsdp_unit_layout(unit: Any) -> tuple[list[torch.nn.Parameter], list[int]]:
+    """The parameters the FSDP2 unit ``unit`` manages (its sharded ones, as registered on the modules), in the unit's
+    order, and the global ranks it reduces their gradients over, this rank's among them (reason: a check that the
+    ranks of one reduction bring the same gradients needs both; FSDP2 has no public API for a unit's parameters or
+    mesh)."""
+    group = unit._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return [], []
+    return [p.sharded_param for p in group.fsdp_params], group.mesh_info.mesh.mesh.flatten().tolist()
 
 
 def fsdp_unsharded_parameters(unit: Any) -> list[torch.nn.Parameter | None]:

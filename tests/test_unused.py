@@ -2,7 +2,9 @@
 ranks, against the plain model on one process in float64: a parameter one rank uses inside a unit both run, a unit
 whose output only one rank's loss reaches, a parameter no rank uses; and a unit one rank skips, refused on both.
 Without it FSDP2 aborts (gloo: 'Received data size doesn't match expected size') or waits forever in the first two
-cases, and in the last the all-gathers pair up units of the ranks that differ. The Trainer: test_unused_trainer.py."""
+cases, and in the last the all-gathers pair up units of the ranks that differ. ``UnusedParametersCheck`` on 4 ranks in
+two reductions of 2: ranks that reduce together and differ are refused naming them; ranks that differ only from ranks
+of another reduction are not. The Trainer: test_unused_trainer.py."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from lightning_ndclip.core.parallel.reduce import use_sum_reduction
-from lightning_ndclip.core.parallel.unused import UnusedParameters
+from lightning_ndclip.core.parallel.unused import UnusedParameters, UnusedParametersCheck
 
 
 class _Branches(nn.Module):
@@ -95,3 +97,30 @@ def test_a_unit_some_ranks_skip_is_refused_on_every_rank_naming_it():
         message = result["error"]
         assert "rank 0 was about to run the FSDP2 unit 'b'; rank 1 was about to run the FSDP2 unit 'c'" in message
         assert "leave it out of ParallelPlan(fsdp_units)" in message
+
+
+def _check_case(uses_b: list[bool]) -> str | None:
+    """4 ranks as 2 x 2, each unit reduced over the inner dim (ranks {0, 1} and {2, 3}); rank r uses ``b`` where
+    ``uses_b[r]``; one window of two backwards, the second reducing. The error raised, if any."""
+    model = _Branches()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
+    fully_shard(model.a, mesh=mesh["inner"])
+    fully_shard(model, mesh=mesh["inner"])
+    check = UnusedParametersCheck(model)
+    rank = dist.get_rank()
+    try:
+        for step, x in enumerate(BATCHES):
+            model.set_requires_gradient_sync(step == 1)
+            check.prepare_backward(model(x[rank % 2], uses_b[rank] and step == 0, True), reduces=step == 1).backward()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_the_check_refuses_ranks_of_one_reduction_that_differ_and_only_those():
+    """Ranks 0 and 1 use ``b``, 2 and 3 do not: each reduction agrees, nothing to refuse (FSDP2 reduces fine). Rank
+    2 alone uses it: its reduction ({2, 3}) would enter different sizes; refused on all 4 ranks, naming ``b``'s
+    parameters and ranks 2 and 3 only."""
+    assert run_on_ranks(4, _check_case, [True, True, False, False]) == [None] * 4
+    for error in run_on_ranks(4, _check_case, [False, False, True, False]):
+        assert error is not None and "['b.weight', 'b.bias']" in error and "on ranks [2] but not on ranks [3]" in error, error

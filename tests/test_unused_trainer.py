@@ -3,7 +3,9 @@
 trained with ``NDParallelStrategy(find_unused_parameters=True)``: every parameter after clipped AdamW steps equal to
 the plain model on one process in float64, the vision tower untouched in a window without images (AdamW's weight
 decay skips a parameter without gradient, as on one device); and the tower made an FSDP2 unit of its own, refused
-on every rank naming it. The pure-PyTorch cases: test_unused.py."""
+on every rank naming it. Without the option (the default check): the same batches refused on every rank before
+FSDP2's reduction, naming the tower, the ranks and the option; batches that reach the tower on every rank within each
+window (each rank in another micro-batch) train exactly without it. The pure-PyTorch cases: test_unused.py."""
 
 from __future__ import annotations
 
@@ -65,14 +67,17 @@ class TinyVLM(nn.Module):
         return self.head(h[:, -tokens.shape[1] :])
 
 
-def _samples() -> list[dict[str, torch.Tensor]]:
+EVERY_WINDOW = {0, 3, 4, 7, 8, 11}  # an image on each rank in every window, rank 0 in its first micro-batch, rank 1 its second
+
+
+def _samples(with_image: set[int] = WITH_IMAGE) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
     samples = []
     for i in range(SAMPLES):
         tokens, labels = (torch.randint(0, VOCAB, (TEXT,), generator=g) for _ in range(2))
         sample = {"tokens": tokens, "labels": labels}
         sample["labels"][torch.rand(TEXT, generator=g) < 0.3] = -100
-        if i in WITH_IMAGE:
+        if i in with_image:
             sample["image"] = torch.randn(IMAGE_TOKENS, PATCH, generator=g, dtype=torch.float64)
         samples.append(sample)
     return samples
@@ -81,9 +86,9 @@ def _samples() -> list[dict[str, torch.Tensor]]:
 class VisionLanguageLM(L.LightningModule):
     """Written the usual way: the batch's image when it has one, per-token losses, the global token mean."""
 
-    def __init__(self) -> None:
+    def __init__(self, with_image: set[int] = WITH_IMAGE) -> None:
         super().__init__()
-        self.model = TinyVLM()
+        self.model, self.with_image = TinyVLM(), with_image
 
     def count_tokens(self, batch) -> torch.Tensor:
         return (batch["labels"] != -100).sum()
@@ -96,14 +101,15 @@ class VisionLanguageLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=DECAY)
 
     def train_dataloader(self):  # rank r: samples r, r + 2, ... in order (the windows of the reference)
-        return torch.utils.data.DataLoader(torch.utils.data.Subset(_samples(), range(self.global_rank, SAMPLES, 2)), batch_size=1)
+        mine = torch.utils.data.Subset(_samples(self.with_image), range(self.global_rank, SAMPLES, 2))
+        return torch.utils.data.DataLoader(mine, batch_size=1)
 
 
-def _reference() -> dict:
+def _reference(with_image: set[int] = WITH_IMAGE) -> dict:
     """One process: each step the window's 4 samples, the token mean over them, clipped AdamW."""
     model = TinyVLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
-    samples = _samples()
+    samples = _samples(with_image)
     norms = []
     for window in (samples[4 * k : 4 * k + 4] for k in range(STEPS)):
         optimizer.zero_grad()
@@ -117,12 +123,12 @@ def _reference() -> dict:
     return {"norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _fit_case(units: list[type]) -> dict:
+def _fit_case(units: list[type], find_unused: bool = True, with_image: set[int] = WITH_IMAGE) -> dict:
     use_existing_process_group()
-    module = VisionLanguageLM()
+    module = VisionLanguageLM(with_image)
     strategy = nd.NDParallelStrategy(
-        dp_shard=2, plan=nd.ParallelPlan(fsdp_units=units), loss_normalization="token_mean", find_unused_parameters=True,
-        summary=False,
+        dp_shard=2, plan=nd.ParallelPlan(fsdp_units=units), loss_normalization="token_mean",
+        find_unused_parameters=find_unused, summary=False,
     )  # fmt: skip
     recorder = Recorder()
     trainer = L.Trainer(
@@ -157,3 +163,24 @@ def test_the_vision_tower_as_an_fsdp2_unit_of_its_own_is_refused_naming_it():
 def test_find_unused_parameters_with_a_pipeline_is_refused():
     with pytest.raises(ValueError, match="find_unused_parameters=True, pp > 1"):
         nd.NDParallelStrategy(pp=2, find_unused_parameters=True)
+
+
+def test_without_the_option_the_mixed_batches_are_refused_before_fsdp2_reduces_naming_the_tower():
+    """The first window reaches the tower on rank 0 only: without find_unused_parameters, FSDP2 would reduce
+    gradients of different sizes (gloo: "Received data size doesn't match expected size"). Refused first, on every
+    rank, naming the parameters, the ranks and the option."""
+    for result in run_on_ranks(2, _fit_case, [Block], False):
+        error = result["error"]
+        assert "'model.vision.tower.weight'" in error and "on ranks [0] but not on ranks [1]" in error, error
+        assert "find_unused_parameters=True" in error, error
+
+
+def test_without_the_option_a_tower_every_rank_reaches_within_each_window_trains_exactly():
+    """Rank 0 reaches the tower in its first micro-batch, rank 1 in its second: FSDP2 reduces the same gradients at
+    the window's end, so the check must stay quiet, and the run equals one device."""
+    reference = _reference(EVERY_WINDOW)
+    result = run_on_ranks(2, _fit_case, [Block], False, EVERY_WINDOW)[0]
+    assert "error" not in result, result["error"]
+    torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(reference["norms"]), rtol=1e-10, atol=0)
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(result["params"][name], value, rtol=1e-10, atol=1e-12, msg=name)

@@ -48,7 +48,7 @@ from lightning_ndclip.core.parallel.replicas import broadcast_replicas_, check_p
 from lightning_ndclip.core.parallel.split_activations import watch_split_activations
 from lightning_ndclip.core.parallel.summary import ParallelSummary, summarize
 from lightning_ndclip.core.parallel.tensor_parallel import check_ties, tied_parameters
-from lightning_ndclip.core.parallel.unused import UnusedParameters
+from lightning_ndclip.core.parallel.unused import UnusedParameters, UnusedParametersCheck
 from lightning_ndclip.core.pipeline import PipelineOptions
 from lightning_ndclip.core.random import RandomStreams, fork_forward
 from lightning_ndclip.lightning._checkpoint import (
@@ -234,7 +234,10 @@ class NDParallelStrategy(ModelParallelStrategy):
             others skip must not be an FSDP2 unit of its own (a ``ValueError`` on every rank names it). Costs
             one host-side collective per FSDP2 unit forward and one per backward, a walk of the autograd
             graph, and a gradient reduction at every micro-batch (none deferred to the window's end).
-            Without it such a model aborts (gloo) or hangs (NCCL) in FSDP2's collectives. Not with ``pp > 1``.
+            Without it, a backward that some ranks reducing a unit together would enter with gradients of
+            different parameters raises ``ValueError`` on every rank first, naming them and this option
+            (:class:`~lightning_ndclip.core.parallel.unused.UnusedParametersCheck`: a graph walk per backward
+            and a host-side all-gather per window). Not with ``pp > 1``.
         sum_reduction: make every FSDP2 gradient reduction a plain SUM, for a ``training_step`` that
             normalizes its loss by global counts itself. Implied by ``loss_normalization``.
         init_sync: after ``configure_model``, give every replica of a parameter or buffer (its
@@ -330,7 +333,8 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._batches_checked = False
         self._cp_work_checked = False
         self._streams_checked = False
-        self._unused: UnusedParameters | None = None
+        self._unused: UnusedParameters | UnusedParametersCheck | None = None
+        self._gradient_sync = True
         self._random_streams: RandomStreams | None = None
         self._undo_forks: list[Callable[[], None]] = []  # the random forks of fit's library models, undone at teardown
         self._cutter: libraries.ModelLibrary | None = None  # the library whose models' batches are cut along cp
@@ -484,7 +488,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             self._pipeline.gradients_back(self._module)
             return closure_loss
         if self._unused is not None:
-            closure_loss = self._unused.prepare_backward(closure_loss)
+            closure_loss = self._unused.prepare_backward(closure_loss, reduces=self._gradient_sync)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _apply_declarative_plan(self, module: pl.LightningModule) -> None:
@@ -546,9 +550,10 @@ class NDParallelStrategy(ModelParallelStrategy):
             _compat.optimizers_to_device(self.optimizers, self.root_device)
         if self._sum_reduction:
             use_sum_reduction(self._wrapped_model)
-        if self._find_unused_parameters and self._unused is None:
+        if self._unused is None and self._pipeline is None and any(isinstance(m, FSDPModule) for m in module.modules()):
             host = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")  # checks read on the host
-            self._unused = UnusedParameters(self._wrapped_model, group=host if isinstance(host, dist.ProcessGroup) else None)
+            unused = UnusedParameters if self._find_unused_parameters else UnusedParametersCheck
+            self._unused = unused(self._wrapped_model, group=host if isinstance(host, dist.ProcessGroup) else None)
         if self._init_sync:
             broadcast_replicas_(module)
             if self._pipeline is not None:
@@ -705,6 +710,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         return dataloader
 
     def _set_gradient_sync(self, enabled: bool) -> None:
+        self._gradient_sync = enabled
         for unit in self._wrapped_model.modules():
             if isinstance(unit, FSDPModule):
                 unit.set_requires_gradient_sync(enabled, recurse=False)
@@ -721,7 +727,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             self._batches_checked = True
             check_peers_fed_alike(args[0] if args else kwargs.get("batch"), self.meshes.world)
         share = self._micro_batch_share()
-        self._set_gradient_sync(share.ends_window or self._unused is not None)
+        self._set_gradient_sync(share.ends_window or (self._unused is not None and self._unused.reduces_every_backward))
         watch_cp = not self._cp_work_checked and self.parallel_dims.cp > 1
         self._cp_work_checked = True
         if self._pipeline is not None:

@@ -27,13 +27,17 @@ parameters).
 
 Gradients must be reduced at every backward (no accumulation without reduction,
 ``set_requires_gradient_sync(False)``): what a rank accumulated unreduced is invisible to the others.
-Pure PyTorch.
+
+:class:`UnusedParametersCheck` is the cheap half, for a model whose graph should not change (what
+``NDParallelStrategy`` runs without ``find_unused_parameters``): it changes nothing and raises a
+``ValueError`` on every rank, naming the parameters and the ranks, before a reduction the ranks
+would enter with different gradients, instead of gloo's size mismatch or an NCCL hang. Pure PyTorch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -43,7 +47,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_ndclip import _compat
 
-__all__ = ["UnusedParameters"]
+__all__ = ["UnusedParameters", "UnusedParametersCheck"]
 
 _DONE = -1
 """The position a rank reports once its forward is over (units report their index, from 0)."""
@@ -72,6 +76,10 @@ class UnusedParameters:
         group: the ranks that run ``model`` together (default: the world), a group whose collectives run
             on the host (gloo): the checks read their results without waiting for the accelerator.
     """
+
+    reduces_every_backward = True
+    """Whether FSDP2 must reduce at every backward (no accumulation without reduction): it must, see the module
+    docstring."""
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
@@ -140,10 +148,13 @@ class UnusedParameters:
             "around it, which every rank runs; its gradients are then exact"
         )
 
-    def prepare_backward(self, loss: torch.Tensor) -> torch.Tensor:
+    def prepare_backward(self, loss: torch.Tensor, reduces: bool = True) -> torch.Tensor:
         """Before ``loss.backward()``: give this rank the zero gradients and zero paths that make every rank
         reduce the same gradients of the same units (one all-reduce). Returns the loss to call backward on
-        (``loss`` itself, or equal to it with the zero paths attached)."""
+        (``loss`` itself, or equal to it with the zero paths attached). ``reduces``: must be true (see
+        :attr:`reduces_every_backward`)."""
+        if not reduces:
+            raise ValueError("UnusedParameters needs FSDP2 to reduce the gradients at every backward")
         parameters = [p for _, unit in self.units for p in _compat.fsdp_unsharded_parameters(unit)]
         reached_parameters, reached_nodes = _reached(loss)
         outputs = [[o for o in outs if o.grad_fn in reached_nodes] for outs in self._outputs]
@@ -167,6 +178,98 @@ class UnusedParameters:
                 return loss
             return _ZeroPath.apply(loss, *dangling)
         return loss
+
+
+class UnusedParametersCheck:
+    """Refuses, on every rank, a backward before which the ranks that reduce an FSDP2 unit's gradients together
+    would bring gradients of different parameters of it: one used a parameter (a vision tower on an image batch)
+    that another did not (the same tower on a text-only batch). Changes nothing; never a false refusal where FSDP2
+    reduces the same gradients on every rank.
+
+    Every backward walks the loss's autograd graph for the units' (unsharded) parameters it reaches, kept over the
+    backwards that accumulate without reducing (a parameter reached in any of them has a gradient to reduce); the
+    backward that reduces all-gathers those flags over ``group`` (a byte per parameter, once per accumulation
+    window) and compares them within each unit's reduction ranks. Cost measured in ``benchmarks/bench_unused.py``.
+
+    Args:
+        model: the model, its FSDP2 units applied (``fully_shard``); the same units on every rank.
+        group: every rank of the world, a group whose collectives run on the host (gloo; default: the world's, when
+            it is gloo): the check reads its result without waiting for the accelerator.
+    """
+
+    reduces_every_backward = False
+    """Whether FSDP2 must reduce at every backward: no, a window's backwards may accumulate (the check keeps what they
+    reached)."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.units = [(name or type(model).__name__, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+        named = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+        self._names: list[str] = []
+        self._unit_of: list[int] = []
+        keys = []
+        for index, (_, unit) in enumerate(self.units):
+            parameters, ranks = _compat.fsdp_unit_layout(unit)
+            self._names += [named.get(id(p), f"{self.units[index][0]}[{i}]") for i, p in enumerate(parameters)]
+            self._unit_of += [index] * len(parameters)
+            keys.append(min(ranks, default=-1) if len(ranks) > 1 else -1)  # -1: reduced over no other rank
+        self._reached = torch.zeros(len(self._names), dtype=torch.bool)
+        world = dist.get_world_size(group)
+        everyone = torch.empty(world * len(keys), dtype=torch.int64)
+        dist.all_gather_into_tensor(everyone, torch.tensor(keys, dtype=torch.int64), group=group)
+        # [rank, parameter]: the lowest rank of the ranks that reduce it together with that rank (-1: none)
+        self._peers = everyone.view(world, len(keys))[:, self._unit_of]
+        self._active = bool((self._peers >= 0).any())
+
+    def forward(self) -> AbstractContextManager[None]:
+        """The step's forward: nothing to check there."""
+        return nullcontext()
+
+    def prepare_backward(self, loss: torch.Tensor, reduces: bool) -> torch.Tensor:
+        """Before ``loss.backward()``: note the unit parameters it reaches; where this backward reduces (``reduces``,
+        the same on every rank), raise ``ValueError`` on every rank if the ranks of one reduction reached different
+        ones since the last reduction. Returns ``loss``."""
+        if not self._active:
+            return loss
+        parameters = [p for _, unit in self.units for p in _compat.fsdp_unsharded_parameters(unit)]
+        reached, _ = _reached(loss)
+        self._reached |= torch.tensor([p is not None and id(p) in reached for p in parameters], dtype=torch.bool)
+        if reduces:
+            mine, self._reached = self._reached.to(torch.uint8), torch.zeros_like(self._reached)
+            everyone = torch.empty(self._peers.shape[0] * len(mine), dtype=torch.uint8)
+            dist.all_gather_into_tensor(everyone, mine, group=self.group)
+            self._refuse_differences(everyone.view(self._peers.shape))
+        return loss
+
+    def _refuse_differences(self, reached: torch.Tensor) -> None:
+        """Raise where ranks of one reduction (equal ``_peers`` entries, not -1) differ in ``reached`` ([rank,
+        parameter])."""
+        if bool((reached == reached[0]).all()):
+            return
+        world = reached.shape[0]
+        groups = self._peers.masked_fill(self._peers < 0, world)  # a row of its own for "reduced with no other rank"
+        flags, empty = reached.to(torch.int64), torch.zeros(world + 1, reached.shape[1], dtype=torch.int64)
+        high = empty.scatter_reduce(0, groups, flags, "amax", include_self=False)
+        low = empty.scatter_reduce(0, groups, flags, "amin", include_self=False)
+        split = (high != low)[:world]  # [group, parameter]
+        bad = split.any(0).nonzero().flatten().tolist()
+        if not bad:
+            return
+        first = bad[0]
+        ranks = [r for r in range(world) if self._peers[r, first] >= 0 and split[self._peers[r, first], first]]
+        used = [r for r in ranks if reached[r, first]]
+        skipped = [r for r in ranks if not reached[r, first]]
+        names = [self._names[j] for j in bad]
+        raise ValueError(
+            f"the backward reached {names[:6]}{' ...' if len(names) > 6 else ''} (FSDP2 unit "
+            f"{self.units[self._unit_of[first]][0]!r}) on ranks {used} but not on ranks {skipped} since the gradients "
+            "were last reduced: FSDP2 would reduce gradients of different parameters over ranks that reduce them "
+            "together (gloo aborts with a size mismatch, NCCL hangs). A model whose graph changes from batch to batch "
+            "(a vision tower on text-only micro-batches, a branch some batches skip, an adapter used for some tasks) "
+            "needs NDParallelStrategy(find_unused_parameters=True) (in a loop of one's own: "
+            "lightning_ndclip.core.parallel.unused.UnusedParameters): each such gradient is then the exact sum over "
+            "the ranks that used it, as on one device"
+        )
 
 
 def _reached(loss: torch.Tensor) -> tuple[set[int], set[Any]]:
