@@ -3,10 +3,13 @@
 The launchers themselves (Lightning's, which starts the other ranks as processes running the script, and torchrun) are
 run on the quickstart; the other examples run on the ranks of a harness pool (their ``main(argv)``, the norm demo's
 ``demo``), as under torchrun: each process importing torch and Lightning again would take most of the suite's time.
+Each runs as in a venv of only the extras examples/README.md names for it: on the harness ranks the model libraries no
+named extra brings are made absent (``helpers.not_installed``), and no example file imports one.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import io
@@ -21,11 +24,43 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import imported_modules
 from harness import run_on_ranks
-from helpers import use_existing_process_group
+from helpers import not_installed, use_existing_process_group
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+OPTIONAL = {"hf": ("transformers",), "diffusers": ("diffusers",)}
+"""The model libraries beyond ``[examples]`` (Lightning, torchmetrics, TensorBoard), by the extra that brings them. Not
+the optional libraries of the dependencies themselves (rich, jsonargparse, matplotlib): Lightning and torchmetrics find
+those by their installed metadata and then import them, so an import blocker cannot make them absent; the README's main
+job in CI runs ``train_gpt.py`` in a venv of ``[examples]`` alone."""
+
+
+def _extras() -> dict[str, set[str]]:
+    """Each example's extras, from the ``extras`` column of examples/README.md's table."""
+    rows = [line.split("|")[1:-1] for line in (EXAMPLES / "README.md").read_text().splitlines() if line.startswith("| `")]
+    header = next(line for line in (EXAMPLES / "README.md").read_text().splitlines() if line.startswith("| example"))
+    column = [c.strip() for c in header.split("|")[1:-1]].index("extras")
+    return {row[0].strip().strip("`"): set(re.findall(r"`(\w+)`", row[column])) for row in rows}
+
+
+def absent_for(script: str) -> tuple[str, ...]:
+    """The optional libraries that the extras examples/README.md names for ``script`` do not bring."""
+    extras = _extras()[script]
+    assert "examples" in extras, f"examples/README.md: {script} needs the examples extra"
+    return tuple(root for extra, roots in OPTIONAL.items() if extra not in extras for root in roots)
+
+
+def test_every_example_is_listed_with_its_extras_and_imports_no_library_they_do_not_bring():
+    assert set(_extras()) == {p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_")}
+    for script in _extras():
+        imported = {module.split(".")[0] for module, _ in imported_modules(ast.parse((EXAMPLES / script).read_text()))}
+        assert not imported & set(absent_for(script)), (script, imported & set(absent_for(script)))
+    assert absent_for("train_gpt.py") == ("transformers", "diffusers")
+    assert absent_for("finetune_hf.py") == ("diffusers",)
+
+
 _OURS = (str(EXAMPLES), str(EXAMPLES.parent / "lightning_ndclip"))
 """Where a warning is this package's or its examples' (not a dependency's installed in a virtual environment here)."""
 _WARNING = re.compile(r"^(?P<file>\S+\.py):\d+: \w*Warning: .*$", re.MULTILINE)
@@ -57,7 +92,6 @@ def _main_on_rank(script: str, argv: list[str]) -> tuple[str, str]:
     use_existing_process_group()
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
-    main = importlib.import_module(script.removesuffix(".py")).main
     out, err = io.StringIO(), io.StringIO()
     lightning_log = logging.getLogger("lightning.pytorch")  # rank_zero_info's records (VerifyOneDevice's report)
     handler = logging.StreamHandler(err)
@@ -65,7 +99,8 @@ def _main_on_rank(script: str, argv: list[str]) -> tuple[str, str]:
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            main(argv)
+            with not_installed(*absent_for(script)):
+                importlib.import_module(script.removesuffix(".py")).main(argv)
     finally:
         lightning_log.removeHandler(handler)
     for w in caught:
@@ -108,7 +143,7 @@ def _norm_demo_on_rank() -> str:
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with contextlib.redirect_stdout(out), not_installed(*absent_for("norm_demo.py")):
         importlib.import_module("norm_demo").demo(2, 2, 0.25)  # the script's defaults, on the pool's 4 ranks
     return out.getvalue()
 
