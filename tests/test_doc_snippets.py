@@ -2,7 +2,10 @@
 
 A block runs in a fresh namespace in a harness worker of world size 1 (a gloo group of one rank),
 so it must be complete: imports, a model, data. A block whose first line is ``# not run: <why>``
-is collected and reported as skipped with that reason; the reason is visible on the page.
+is not run whole and is reported as skipped with that reason (visible on the page); it must still
+parse, its imports must import, and the ``NDParallelStrategy`` / ``ParallelPlan`` / ``PipelineOptions``
+it constructs must be accepted as written (names the page's prose defines get the stand-ins of
+``_STAND_INS``): a configuration the strategy refuses cannot hide in a block that is not run.
 
 An HTML comment on the line before a block, invisible on the rendered page, may give the block
 what the page's prose already gave the reader, and check its result::
@@ -47,7 +50,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _FENCE = re.compile(r"^[ \t]*```python[ \t]*$")
 _RUN = re.compile(r"^[ \t]*<!--\s*run:(?P<args>[^>]*)-->\s*$")
 _NOT_RUN = re.compile(r"^#\s*not run:\s*(?P<why>.+)$")
-_EXTRAS = {"transformers": "hf"}
+_EXTRAS = {"transformers": "hf", "diffusers": "diffusers"}
 """Optional packages a block (or its fixture) may import, and the extra that installs each."""
 
 
@@ -96,6 +99,50 @@ def _missing(source: str, options: dict) -> str | None:
     return None
 
 
+_CONFIGURATIONS = ("NDParallelStrategy", "ParallelPlan", "PipelineOptions")
+"""The constructors of a block that is not run whole that are run (they validate their arguments)."""
+
+
+def _stand_ins() -> dict:
+    """What a not-run block's configuration may name from the page's prose, each a stand-in of the same kind."""
+    from torch import nn
+
+    import lightning_ndclip as nd
+
+    class Block(nn.Module):  # a layer class the page defined (fsdp_units=[...])
+        pass
+
+    layers = {name: Block for name in ("Block", "DiTBlock", "LlamaDecoderLayer", "Qwen3MoeDecoderLayer")}
+    public = {name: getattr(nd, name) for name in nd.__all__}  # the page's earlier imports
+    return {**public, "nd": nd, **layers, "plan": nd.ParallelPlan(), "tp_plan": {}, "path": "checkpoint/"}
+
+
+def _check_configurations(source: str) -> None:
+    """A not-run block: its imports import, and each configuration it constructs (outermost calls of
+    ``_CONFIGURATIONS``) is accepted with its arguments as written."""
+    tree = ast.parse(source)
+    namespace: dict = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            exec(compile(ast.Module([node], []), "<doc block imports>", "exec"), namespace)
+    namespace = {**_stand_ins(), **namespace}
+
+    def configuration(node: ast.AST) -> bool:
+        func = node.func if isinstance(node, ast.Call) else None
+        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+        return name in _CONFIGURATIONS
+
+    inner = {id(n) for call in ast.walk(tree) if configuration(call) for n in ast.walk(call) if n is not call}
+    for call in (n for n in ast.walk(tree) if configuration(n) and id(n) not in inner):
+        expression = ast.unparse(call)
+        try:
+            eval(compile(ast.Expression(call), "<doc block configuration>", "eval"), namespace)
+        except NameError as error:
+            pytest.fail(f"{expression}: {error}; give the name a stand-in in _stand_ins()")
+        except Exception as error:  # noqa: BLE001 - the configuration as the page writes it is refused
+            pytest.fail(f"{expression} is refused as written: {type(error).__name__}: {error}")
+
+
 def _run_block(source: str, options: dict) -> None:
     use_existing_process_group()
     namespace = _fixture(options["before"])() if "before" in options else {}
@@ -119,9 +166,12 @@ def _run_block(source: str, options: dict) -> None:
 @pytest.mark.parametrize("source, options", _blocks())
 def test_every_python_block_runs_or_says_why_not(source, options):
     first = source.lstrip().split("\n", 1)[0]
+    missing = _missing(source, options)
     if reason := _NOT_RUN.match(first):
         assert len(reason["why"].strip()) >= 10, "say why the block cannot run"
-        pytest.skip(f"not run: {reason['why'].strip()}")
-    if missing := _missing(source, options):
+        if missing is None:
+            _check_configurations(source)
+        pytest.skip(f"not run: {reason['why'].strip()}{'' if missing is None else f'; needs {missing}'}")
+    if missing:
         pytest.skip(f"needs {missing}, which is not installed")
     run_on_ranks(int(options.get("ranks", 1)), _run_block, source, options, timeout=120)
