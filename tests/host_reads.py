@@ -46,6 +46,8 @@ DOCUMENTED_READS = {
     ("expert_parallel.py", "__init__"): "how many rows go to each expert-parallel rank: the all-to-all's split sizes "
     "(TokenRoute)",
     ("experts.py", "forward"): "which rows are routed to each local expert (MoE's plain loop)",
+    ("unused.py", "_refuse_differences"): "whether the ranks of one FSDP2 reduction reached the same parameters, once "
+    "per window: flags made on the host, gathered over a gloo group (UnusedParametersCheck)",
 }
 """The host reads the product makes by design in steady state, by (file, function), and why (docs/concepts.md)."""
 
