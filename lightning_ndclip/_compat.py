@@ -45,6 +45,7 @@ __all__ = [
     "device_has_foreach_support",
     "disable_torch_function_subclass",
     "diffusers_cp_plan",
+    "library_block_names",
     "dynamo_counters",
     "redistribute_logger",
     "dtensor_spec",
@@ -122,6 +123,11 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "class_pp_plan": ("transformers:PreTrainedModel._pp_plan",),
     "attention_implementation": ("transformers:PreTrainedConfig._attn_implementation",),
     "diffusers_cp_plan": ("diffusers.models.modeling_utils:ModelMixin._cp_plan",),
+    "library_block_names": (
+        "diffusers.models.modeling_utils:ModelMixin._repeated_blocks",
+        "diffusers.models.modeling_utils:ModelMixin._no_split_modules",
+        "transformers:PreTrainedModel._no_split_modules",
+    ),
     "takes_parallel_config": ("diffusers.models.transformers.transformer_wan:WanAttnProcessor._parallel_config",),
     "set_parallel_config": ("diffusers.models.transformers.transformer_wan:WanAttnProcessor._parallel_config",),
     "route_diffusers_attention": (
@@ -289,6 +295,13 @@ def diffusers_cp_plan(model: Any) -> dict[Any, Any]:
     """A ``diffusers`` model class's context-parallel plan (reason: ``_cp_plan`` is where diffusers declares it, read
     by its own ``enable_parallelism``; no public getter exists)."""
     return dict(getattr(type(model), "_cp_plan", None) or {})
+
+
+def library_block_names(model: Any) -> list[str]:
+    """The class names of a ``transformers`` or ``diffusers`` model's repeated blocks (reason: the libraries declare
+    them only as ``_repeated_blocks`` (diffusers' regional compile) and ``_no_split_modules`` (the modules
+    ``device_map`` never splits: the layers), read by their own loaders; no public getter exists)."""
+    return list(getattr(model, "_repeated_blocks", None) or getattr(model, "_no_split_modules", None) or [])
 
 
 def takes_parallel_config(processor: Any) -> bool:

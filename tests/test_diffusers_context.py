@@ -21,6 +21,7 @@ from diffusers import ChronoEditTransformer3DModel, WanTransformer3DModel  # noq
 from diffusers.models.transformers.transformer_wan import WanTransformerBlock  # noqa: E402
 from harness import run_on_ranks  # noqa: E402
 from helpers import use_existing_process_group  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 import lightning_ndclip as nd  # noqa: E402
 from lightning_ndclip.integrations.diffusers.context import _CutSequence  # noqa: E402
@@ -155,7 +156,7 @@ def _worst(results: list[dict], expected: dict[str, torch.Tensor]) -> float:
     [
         {"dp_shard": 2, "cp": 2}, {"cp": 4}, {"dp_shard": 2, "cp": 2, "checkpointing": True},
         {"dp_shard": 2, "cp": 2, "family": "ChronoEdit"},
-    ],
+    ],  # fmt: skip
     ids=["Wan-dp_shard2xcp2", "Wan-cp4", "Wan-dp_shard2xcp2-checkpointed", "ChronoEdit-dp_shard2xcp2"],
 )
 def test_wan_under_cp_equals_one_device_and_each_cp_rank_runs_its_part_of_the_tokens(layout):
@@ -295,7 +296,7 @@ def _train_flux() -> dict:
     module = LitFlux()
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 
-    plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=[FluxTransformerBlock, FluxSingleTransformerBlock])
+    plan = nd.ParallelPlan(tp_plan="auto")  # FSDP2 units: the model's own blocks (its _repeated_blocks), both kinds
     trainer = L.Trainer(
         accelerator="cpu", devices=4, max_steps=STEPS, accumulate_grad_batches=2,
         strategy=nd.NDParallelStrategy(dp_shard=2, cp=2, plan=plan, loss_normalization="sample_mean", summary=False),
@@ -304,7 +305,17 @@ def _train_flux() -> dict:
     )  # fmt: skip
     trainer.fit(module)
     params = {n: p.full_tensor().detach().clone() for n, p in module.model.named_parameters()}
-    return {"params": params, "first_block_tokens": module.first_block_tokens[0]}
+    units = [m for m in module.model.modules() if isinstance(m, FSDPModule)]
+    blocks = {
+        FluxTransformerBlock: len(module.model.transformer_blocks),
+        FluxSingleTransformerBlock: len(module.model.single_transformer_blocks),
+    }
+    return {
+        "params": params,
+        "first_block_tokens": module.first_block_tokens[0],
+        "blocks_sharded": blocks == {c: sum(isinstance(m, c) for m in units) for c in blocks},
+        "context_note": [n for n in trainer.strategy.parallel_summary().notes if n.startswith("Context:")],
+    }
 
 
 def test_flux_under_cp_with_text_and_image_tokens_cut_equals_one_device():
@@ -312,5 +323,10 @@ def test_flux_under_cp_with_text_and_image_tokens_cut_equals_one_device():
     expected = _flux_reference()
     results = run_on_ranks(4, _fit_flux)
     assert [r["first_block_tokens"] for r in results] == [FLUX_TOKENS // 2] * 4
+    assert all(r["blocks_sharded"] for r in results)  # no fsdp_units given: each block of both kinds one unit
+    assert results[0]["context_note"] == [
+        "Context: each diffusers model's inputs cut where its _cp_plan says (1/2 of the tokens per rank, contiguous), its "
+        "outputs gathered where it says; the attention over the cut sequence by ring attention"
+    ]
     assert _worst(results, expected) < 1e-6
     assert _worst(run_on_ranks(4, _fit_flux, True), expected) > 1e-3

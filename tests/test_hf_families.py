@@ -20,6 +20,7 @@ from helpers import use_existing_process_group
 from hf_families import FAMILIES, MOE, tiny_causal_lm
 from test_callbacks import Recorder
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 import lightning_ndclip as nd
 
@@ -124,8 +125,7 @@ def _fit(module: L.LightningModule, strategy: nd.NDParallelStrategy, steps: int)
 def _fit_case(family: str, export_to: str | None = None) -> dict:
     use_existing_process_group()
     module = _FamilyModule(family)
-    units = {type(module.lm.base_model.layers[0])}  # the decoder layer, each one FSDP2 unit
-    plan = nd.ParallelPlan(tp_plan="auto", fsdp_units=sorted(units, key=lambda c: c.__name__))
+    plan = nd.ParallelPlan(tp_plan="auto")  # FSDP2 units: the family's own blocks (its _no_split_modules)
     strategy = nd.NDParallelStrategy(dp_shard=2, tp=2, plan=plan, loss_normalization="token_mean", summary=False)
     _, logged = _fit(module, strategy, STEPS)
     if export_to is not None:  # the trained model back as a Hugging Face checkpoint, and its logits here
@@ -136,6 +136,7 @@ def _fit_case(family: str, export_to: str | None = None) -> dict:
         **logged,
         "params": {n: p.detach().full_tensor() for n, p in module.lm.named_parameters()},
         "tp_split": sorted(n for n, p in module.lm.named_parameters() if _sharded_over_tp(p)),
+        "layer_units": [isinstance(layer, FSDPModule) for layer in module.lm.base_model.layers],
     }
 
 
@@ -171,6 +172,7 @@ def test_a_family_trained_with_its_own_plan_equals_one_device(family):
     assert [n for n in result["tp_split"] if n.endswith(".weight")] == sorted(split), result["tp_split"]
     experts = [n for n, _ in model.named_parameters() if ".experts." in n]  # every expert weight, split over tp
     assert [n for n in result["tp_split"] if ".experts." in n] == sorted(experts)
+    assert result["layer_units"] == [True] * len(model.base_model.layers)  # each decoder layer an FSDP2 unit
     assert result["view_warnings"] == []  # FSDP2's, for a unit (the model, the strategy's root) returning a view
     assert "verdict: exact" in result["verified"], result["verified"]  # the users' own check agrees
     assert "as one batch  loss" in result["verified"], result["verified"]  # the window as one batch too

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ExpertRouting",
+    "block_classes",
     "LibraryModel",
     "ModelLibrary",
     "SequenceCut",
@@ -81,6 +82,10 @@ class ModelLibrary:
         """The outermost models of this library inside ``module`` (itself included), with their names."""
         return []
 
+    def block_names(self, model: nn.Module) -> Collection[str]:
+        """The class names of ``model``'s repeated blocks (one of :meth:`models`): its FSDP2 units by default."""
+        return ()
+
     # tensor and expert parallel: the models' own plans (``ParallelPlan(tp_plan="auto")``)
     def tp_plan(self, module: nn.Module, tp: int) -> dict[str, ParallelStyle]:
         """``{module name: ParallelStyle}`` for the models inside ``module`` on a ``tp`` mesh dim of size ``tp``."""
@@ -93,6 +98,10 @@ class ModelLibrary:
     # context parallel: the models' attention over a sequence cut along cp
     def context_parallelize(self, model: nn.Module, cp: DeviceMesh) -> None:
         """Make ``model`` (one of :meth:`models`) attend over a sequence cut along ``cp``."""
+
+    def context_summary(self, cp: int, kv_exchange: str) -> str:
+        """How the models' sequences are cut over ``cp`` ranks and attended over, for the startup summary."""
+        return ""
 
     def cut_batch(self, batch: Any, cp: DeviceMesh, kv_exchange: str) -> SequenceCut:
         """This cp rank's part of a micro-batch for models made context parallel (the batch as it is by default)."""
@@ -218,6 +227,16 @@ def the_model(module: nn.Module, feature: str, instead: str) -> LibraryModel:
             f"holds {len(found)} ({names}). {instead}"
         )
     return found[0]
+
+
+def block_classes(module: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The classes of the repeated blocks of the library models inside ``module`` (their decoder layers, transformer
+    blocks), as their libraries name them, in the order they first occur; none where ``module`` holds no such model."""
+    found: dict[type[nn.Module], None] = {}
+    for _, model, library in models(module):
+        names = set(library.block_names(model))
+        found.update((type(m), None) for m in model.modules() if type(m).__name__ in names)
+    return tuple(found)
 
 
 def expert_routing(source: Any) -> ExpertRouting | None:

@@ -668,10 +668,7 @@ class NDParallelStrategy(ModelParallelStrategy):
                 f"{dims.pp * config.stages_per_rank} stages ({config.stages_per_rank} per rank)"
             )
         if self._cuts_sequences:
-            summary.notes.append(
-                f"Context: every batch's sequences cut into 2 x cp = {2 * dims.cp} chunks (rank r: chunks r and "
-                f"{2 * dims.cp - 1}-r); the transformers models attend over them by {self._plan.kv_exchange} attention"
-            )
+            summary.notes.append(f"Context: {self._sequence_cutter().context_summary(dims.cp, self._plan.kv_exchange)}")
         loss = {
             "token_mean": "token_mean: each micro-batch's loss is its share of the global token mean (count_tokens, "
             "summed over dp per window)",

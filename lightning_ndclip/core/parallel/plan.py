@@ -115,7 +115,10 @@ def parallelize(
             :func:`~lightning_ndclip.core.parallel.tensor_parallel.tensor_parallelize`: ``parallelize_module``
             keeping tied parameters (a tied embedding and LM head) one parameter.
         fsdp_units: module classes that each become one ``fully_shard`` unit (e.g. the transformer
-            block); the root gets a unit for the remaining parameters.
+            block); the root gets a unit for the remaining parameters. Empty with ``tp_plan="auto"``: the
+            repeated blocks of the library models inside ``module``, as their library names them
+            (:func:`~lightning_ndclip.core.libraries.block_classes`: transformers' decoder layers, diffusers'
+            transformer blocks).
         activation_checkpointing: module classes whose instances recompute activations in backward.
         mp_policy: FSDP2 mixed-precision policy (e.g. bf16 parameters, fp32 reduction).
         reshard_after_forward: FSDP2's choice for the non-root units.
@@ -148,6 +151,8 @@ def parallelize(
             :func:`~lightning_ndclip.core.parallel.loss_parallel.loss_parallel_plan`).
     """
     options = None if compile is False else {} if compile is True else dict(compile)  # None: no compile
+    if tp_plan == "auto" and not fsdp_units:
+        fsdp_units = libraries.block_classes(module)
     if options is not None and not fsdp_units:
         raise ValueError(
             "compile compiles each module of the fsdp_units classes (the transformer blocks), and fsdp_units is "

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_ndclip import _compat
 from lightning_ndclip.core.libraries import ModelLibrary, outermost
 from lightning_ndclip.integrations.diffusers import context
 
@@ -18,6 +21,15 @@ class Diffusers(ModelLibrary):
     def models(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
         """The outermost ``ModelMixin``\\ s inside ``module``; none before ``diffusers`` has loaded its model classes."""
         return outermost(module, "diffusers.models.modeling_utils:ModelMixin")
+
+    def block_names(self, model: nn.Module) -> Collection[str]:
+        return _compat.library_block_names(model)
+
+    def context_summary(self, cp: int, kv_exchange: str) -> str:
+        return (
+            f"each diffusers model's inputs cut where its _cp_plan says (1/{cp} of the tokens per rank, contiguous), "
+            "its outputs gathered where it says; the attention over the cut sequence by ring attention"
+        )
 
     def context_parallelize(self, model: nn.Module, cp: DeviceMesh) -> None:
         context.context_parallelize(model, cp)

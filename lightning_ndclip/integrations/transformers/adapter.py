@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_ndclip import _compat
 from lightning_ndclip.core.libraries import ExpertRouting, ModelLibrary, SequenceCut
 from lightning_ndclip.integrations.transformers import checkpoint, context, dropout, pipeline, plans
 
@@ -25,6 +26,9 @@ class Transformers(ModelLibrary):
     def models(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
         return plans.transformers_models(module)
 
+    def block_names(self, model: nn.Module) -> Collection[str]:
+        return _compat.library_block_names(model)
+
     def tp_plan(self, module: nn.Module, tp: int) -> dict[str, ParallelStyle]:
         return plans.tp_plan_of(module, tp)
 
@@ -33,6 +37,12 @@ class Transformers(ModelLibrary):
 
     def context_parallelize(self, model: nn.Module, cp: DeviceMesh) -> None:
         context.context_parallelize(model, cp)
+
+    def context_summary(self, cp: int, kv_exchange: str) -> str:
+        return (
+            f"every batch's sequences cut into 2 x cp = {2 * cp} chunks (rank r: chunks r and {2 * cp - 1}-r); the "
+            f"transformers models attend over them by {kv_exchange} attention"
+        )
 
     def cut_batch(self, batch: Any, cp: DeviceMesh, kv_exchange: str) -> SequenceCut:
         local, shard = context.shard_batch(batch, cp, kv_exchange=kv_exchange)  # type: ignore[arg-type]
