@@ -115,7 +115,8 @@ def parallelize(
             :func:`~lightning_ndclip.core.parallel.tensor_parallel.tensor_parallelize`: ``parallelize_module``
             keeping tied parameters (a tied embedding and LM head) one parameter.
         fsdp_units: module classes that each become one ``fully_shard`` unit (e.g. the transformer
-            block); the root gets a unit for the remaining parameters. Empty with ``tp_plan="auto"``: the
+            block); the root gets a unit for the remaining parameters. Nested matches (a block and the expert
+            matrices inside it) are each a unit, the inner one wrapped first. Empty with ``tp_plan="auto"``: the
             repeated blocks of the library models inside ``module``, as their library names them
             (:func:`~lightning_ndclip.core.libraries.block_classes`: transformers' decoder layers, diffusers'
             transformer blocks).
@@ -192,7 +193,7 @@ def parallelize(
     matched = [m for m in module.modules() if units and isinstance(m, units) and m is not module]
     if options is not None:  # a checkpointed unit's wrapper is the unit, compiled with the checkpoint inside (torchtitan's order)
         matched = [wrappers.get(m, m) for m in matched]
-    for unit in matched:
+    for unit in reversed(matched):  # inner units first: an outer unit's fully_shard would take their parameters
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **fsdp_kwargs)
     roots = _callable_units([module] if root_units is None else root_units)
     shared = shared_parameters(roots)
