@@ -292,9 +292,9 @@ def attention_implementation(config: Any) -> str:
 
 
 def diffusers_cp_plan(model: Any) -> dict[Any, Any]:
-    """A ``diffusers`` model class's context-parallel plan (reason: ``_cp_plan`` is where diffusers declares it, read
-    by its own ``enable_parallelism``; no public getter exists)."""
-    return dict(getattr(type(model), "_cp_plan", None) or {})
+    """A ``diffusers`` model's (or model class's) context-parallel plan (reason: ``_cp_plan`` is where diffusers
+    declares it, read by its own ``enable_parallelism``; no public getter exists)."""
+    return dict(getattr(model if isinstance(model, type) else type(model), "_cp_plan", None) or {})
 
 
 def library_block_names(model: Any) -> list[str]:

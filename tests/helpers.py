@@ -7,10 +7,14 @@ import contextlib
 import importlib.abc
 import os
 import sys
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from lightning_ndclip import _compat
 
 
 def use_existing_process_group() -> None:
@@ -48,3 +52,27 @@ def not_installed(*roots: str) -> Iterator[None]:
     finally:
         sys.meta_path.remove(finder)
         sys.modules.update(hidden)
+
+
+class Float32Ops(_compat.DispatchMode):
+    """Records the ops of a float64 model that compute in a lower precision (an eager float32 softmax, a norm or a
+    router taken in float32): the one-device reference then carries float32 rounding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [a.dtype for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            low = isinstance(tensor, torch.Tensor) and tensor.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            if low and torch.float64 in inputs:  # a float64 activation rounded down
+                self.found.add(str(func.overloadpacket.__name__))
+        return out
+
+
+def refused_by_us(error: BaseException) -> bool:
+    """Whether ``error`` is lightning_ndclip's refusal (a ValueError raised from inside the package)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return isinstance(error, ValueError) and bool(frames) and "lightning_ndclip" in frames[-1].filename

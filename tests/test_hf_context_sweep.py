@@ -13,7 +13,6 @@ wrong number; one that crashes outside a refusal is an unnamed limit. ``pytest -
 
 from __future__ import annotations
 
-import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -22,11 +21,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run_on_ranks
+from helpers import Float32Ops, refused_by_us
 from torch.distributed.device_mesh import init_device_mesh
 
 transformers = pytest.importorskip("transformers")
 
-from lightning_ndclip import _compat  # noqa: E402
 from lightning_ndclip.integrations.transformers.context import context_parallelize, shard_batch  # noqa: E402
 
 ROWS, SEQ, VOCAB = 2, 16, 32
@@ -119,36 +118,12 @@ def _build(family: str, architecture: str) -> torch.nn.Module:
     return model
 
 
-class _Float32Ops(_compat.DispatchMode):
-    """Records the ops of a float64 model that compute in a lower precision (an eager float32 softmax, a norm or a
-    router taken in float32): the one-device reference then carries float32 rounding."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.found: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = [a.dtype for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
-        for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            low = isinstance(tensor, torch.Tensor) and tensor.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            if low and torch.float64 in inputs:  # a float64 activation rounded down
-                self.found.add(str(func.overloadpacket.__name__))
-        return out
-
-
 def _tolerance(model: torch.nn.Module, float32_ops: set[str]) -> float:
     """float64's where one device computes in float64 throughout (and does not skip a soft-cap, as sdpa does), else
     float32's."""
     config = model.config
     softcap = getattr(config, "attn_logit_softcapping", None) or getattr(config, "attention_logit_softcapping", None)
     return 1e-10 if not float32_ops and softcap is None else 1e-5
-
-
-def _ours(error: BaseException) -> bool:
-    """Whether ``error`` is lightning_ndclip's refusal (a ValueError raised from inside the package)."""
-    frames = traceback.extract_tb(error.__traceback__)
-    return isinstance(error, ValueError) and bool(frames) and "lightning_ndclip" in frames[-1].filename
 
 
 @dataclass
@@ -186,7 +161,7 @@ def one_device(family: str, architecture: str) -> Reference | tuple[str, str, fl
     input_ids = torch.randint(3, VOCAB, (ROWS, SEQ), generator=g)
     try:
         model = _build(family, architecture)
-        with _Float32Ops() as float32_ops:
+        with Float32Ops() as float32_ops:
             logits = model(input_ids=input_ids).logits
         weights = torch.randn(logits.shape, generator=g, dtype=logits.dtype)
         (logits * weights).sum().backward()
@@ -210,7 +185,7 @@ def _one(family: str, architecture: str, cp: Any) -> tuple[str, str, float, floa
         with shard.active():
             local_logits = model(**local).logits
     except Exception as error:
-        if _ours(error):
+        if refused_by_us(error):
             return "REFUSED", str(error), 0.0, tolerance
         return "CRASHED", f"{type(error).__name__}: {str(error)[:200]}", 0.0, tolerance
     (local_logits * ref.weights[:, shard.positions]).sum().backward()

@@ -22,7 +22,8 @@ import test_hf_tp_sweep as tp_sweep
 import torch
 import torch.distributed as dist
 from harness import run_on_ranks
-from test_hf_context_sweep import ROWS, SEQ, VOCAB, _build, _Float32Ops, _ours, _tolerance
+from helpers import Float32Ops, refused_by_us
+from test_hf_context_sweep import ROWS, SEQ, VOCAB, _build, _tolerance
 from torch.distributed.tensor import DTensor
 
 transformers = pytest.importorskip("transformers")
@@ -49,7 +50,7 @@ def _one(family: str, architecture: str) -> tuple[str, str, float, float]:
     try:
         model = _build(family, architecture)
         plain = copy.deepcopy(model)
-        with _Float32Ops() as float32_ops:
+        with Float32Ops() as float32_ops:
             logits = plain(input_ids=input_ids).logits
         expected_loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
@@ -69,7 +70,7 @@ def _one(family: str, architecture: str) -> tuple[str, str, float, float]:
             return "WRONG", "the logits are not vocabulary-sharded", 1.0, tolerance
         output.loss.backward()
     except Exception as error:
-        if _ours(error):
+        if refused_by_us(error):
             return "REFUSED", str(error), 0.0, tolerance
         return "CRASH", f"{type(error).__name__}: {str(error)[:300]}", 0.0, tolerance
     errors = {"loss": float((output.loss.detach() - expected_loss.detach()).abs() / expected_loss.detach().abs())}

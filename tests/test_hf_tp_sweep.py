@@ -30,7 +30,8 @@ import test_hf_context_sweep as cp_sweep
 import torch
 import torch.distributed as dist
 from harness import run_on_ranks
-from test_hf_context_sweep import Reference, _ours, one_device
+from helpers import refused_by_us
+from test_hf_context_sweep import Reference, one_device
 from torch.distributed.tensor import DTensor
 
 transformers = pytest.importorskip("transformers")
@@ -146,7 +147,7 @@ def _one(family: str, architecture: str) -> tuple[str, str, float, float]:
         with watch_split_activations(model, meshes["tp"]):  # as the strategy watches the first forward
             tp_logits = _whole(model(input_ids=ref.input_ids).logits)
     except Exception as error:
-        if _ours(error):
+        if refused_by_us(error):
             return "REFUSED", str(error), 0.0, tolerance
         return "CRASH", f"{type(error).__name__}: {str(error)[:300]}", 0.0, tolerance
     try:

@@ -227,3 +227,39 @@ def test_the_features_check_fails_without_the_feature():
     base_out, _ = _features_reference(None, None, False)
     for case in [(7, None, False), (None, 2.0, False), (None, None, True)]:
         assert _relative_error(_features_reference(*case)[0], base_out) > 1e-2
+
+
+PROMPT = 12  # keys of another sequence (a prompt), cut alike, of its own length
+
+
+def _cross_attention(kv_exchange: str) -> list[float]:
+    """Queries of the S-token sequence over the keys of a PROMPT-token one, both cut contiguously over cp, some
+    prompt tokens masked as keys (kv_sample_ids -1): the output and the q, k, v gradients against one device."""
+    g = torch.Generator().manual_seed(3)
+    q, w = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    k, v = (torch.randn(B, H, PROMPT, D, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    keep = torch.ones(B, PROMPT, dtype=torch.bool)
+    keep[0, 9:] = keep[1, 2:5] = False
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None])
+    (expected * w).sum().backward()
+    whole = [expected.detach(), *(t.grad.clone() for t in (q, k, v))]
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    local_q, positions = shard_sequence(q.detach(), rank, cp, dim=2, load_balance=False)
+    local_k, kv_positions = shard_sequence(k.detach(), rank, cp, dim=2, load_balance=False)
+    local_v, _ = shard_sequence(v.detach(), rank, cp, dim=2, load_balance=False)
+    local_keep, _ = shard_sequence(keep, rank, cp, dim=1, load_balance=False)
+    leaves = [t.clone().requires_grad_() for t in (local_q, local_k, local_v)]
+    out = context_parallel_attention(
+        *leaves, group=dist.group.WORLD, positions=positions, kv_positions=kv_positions, kv_exchange=kv_exchange,
+        sample_ids=torch.zeros(B, positions.numel(), dtype=torch.int64), kv_sample_ids=torch.where(local_keep, 0, -1),
+    )  # fmt: skip
+    (out * w[:, :, positions]).sum().backward()
+    got = [out.detach(), *(t.grad for t in leaves)]
+    parts = [whole[0][:, :, positions], whole[1][:, :, positions], whole[2][:, :, kv_positions], whole[3][:, :, kv_positions]]
+    return [_relative_error(a, b) for a, b in zip(got, parts)]
+
+
+@pytest.mark.parametrize("kv_exchange", ["ring", "all_gather"])
+def test_cross_attention_to_another_cut_sequence_equals_one_device(kv_exchange):
+    for errors in run_on_ranks(2, _cross_attention, kv_exchange):
+        assert max(errors) < TOLERANCE, errors

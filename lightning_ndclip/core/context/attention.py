@@ -122,6 +122,7 @@ def context_parallel_attention(
     is_causal: bool = False,
     sample_ids: torch.Tensor | None = None,
     kv_sample_ids: torch.Tensor | None = None,
+    kv_positions: torch.Tensor | None = None,
     window: int | None = None,
     scale: float | None = None,
     kv_exchange: Literal["ring", "all_gather"] = "ring",
@@ -135,7 +136,8 @@ def context_parallel_attention(
         is_causal: mask keys at later global positions.
         sample_ids: ``[batch, local_seq]`` packed-sample ids of the local tokens (``-1`` padding):
             tokens attend only within their sample (padding queries attend to padding only).
-        kv_sample_ids, window, scale: the keys' own ids, a sliding window and the score scale, as in
+        kv_sample_ids, kv_positions, window, scale: the keys' own ids and positions (cross-attention to another
+            sequence cut alike), a sliding window and the score scale, as in
             :func:`~lightning_ndclip.core.context.ring_attention.ring_attention`.
         kv_exchange: ``"ring"``: K/V blocks passed round the cp ring, O(S/cp) memory per rank
             (:func:`~lightning_ndclip.core.context.ring_attention.ring_attention`, key tiles of 1024);
@@ -157,16 +159,17 @@ def context_parallel_attention(
     if kv_ids is not None and sample_ids is None:
         raise ValueError("kv_sample_ids needs sample_ids (the queries' ids)")
     rule = _Attend(is_causal, window, scale)
+    kv_positions = positions if kv_positions is None else kv_positions
     if group is None or dist.get_world_size(group) == 1:
-        return _masked_attention(q, k, v, positions, positions, sample_ids, kv_ids, rule)
+        return _masked_attention(q, k, v, positions, kv_positions, sample_ids, kv_ids, rule)
     if kv_exchange == "ring":
         return ring_attention(q, k, v, group=group, positions=positions, is_causal=is_causal, sample_ids=sample_ids,
-                              kv_sample_ids=kv_sample_ids, window=window, scale=scale)  # fmt: skip
+                              kv_sample_ids=kv_sample_ids, kv_positions=kv_positions, window=window, scale=scale)  # fmt: skip
     work.note()
     kv_ids = gather_sequence(kv_ids, group, 1) if kv_ids is not None else None
     return _masked_attention(
-        q, gather_sequence(k, group, 2), gather_sequence(v, group, 2), positions, gather_sequence(positions, group, 0),
-        sample_ids, kv_ids, rule,
+        q, gather_sequence(k, group, 2), gather_sequence(v, group, 2), positions,
+        gather_sequence(kv_positions, group, 0), sample_ids, kv_ids, rule,
     )
 
 

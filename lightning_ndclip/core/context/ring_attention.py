@@ -75,6 +75,7 @@ def ring_attention(
     is_causal: bool = False,
     sample_ids: torch.Tensor | None = None,
     kv_sample_ids: torch.Tensor | None = None,
+    kv_positions: torch.Tensor | None = None,
     window: int | None = None,
     scale: float | None = None,
     softcap: float | None = None,
@@ -88,7 +89,8 @@ def ring_attention(
 
     Args:
         q, k, v: local ``[batch, heads, local_seq, head_dim]`` tensors, the same ``local_seq`` on
-            every rank of ``group`` (``v`` may have its own head dim).
+            every rank of ``group`` (``v`` may have its own head dim; ``k`` and ``v`` their own ``local_seq``
+            with ``kv_positions``).
         group: the cp process group (of any size, 1 included).
         positions: global positions of the local tokens (from
             :func:`~lightning_ndclip.core.context.attention.shard_sequence`), ``[local_seq]``.
@@ -99,6 +101,8 @@ def ring_attention(
             to a key when its ``sample_ids`` entry equals the key's ``kv_sample_ids`` entry): e.g. a
             padding key given ``-1`` and its query its document's id, so padding is masked as a key
             only (``transformers``' padding mask).
+        kv_positions: global positions of the local keys, if not ``positions``: cross-attention to
+            another sequence cut alike (a prompt's tokens), of its own length.
         window: with ``is_causal``, a query attends to the ``window`` latest positions up to its own
             (keys ``j`` with ``i - window < j <= i``; ``transformers``' ``sliding_window``).
         scale: the score scale, ``head_dim ** -0.5`` by default.
@@ -126,7 +130,7 @@ def ring_attention(
     mask = _MaskRule(is_causal, window)
     options = _Options(q.shape[-1] ** -0.5 if scale is None else scale, softcap, block_size)
     kv_ids = sample_ids if kv_sample_ids is None else kv_sample_ids
-    q_meta, kv_meta = _meta(positions, sample_ids), _meta(positions, kv_ids)
+    q_meta, kv_meta = _meta(positions, sample_ids), _meta(positions if kv_positions is None else kv_positions, kv_ids)
     return _RingAttention.apply(q, k, v, sinks, q_meta, kv_meta, group, mask, options)
 
 

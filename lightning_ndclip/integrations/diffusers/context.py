@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ndclip import _compat
 from lightning_ndclip.core.context.attention import context_parallel_attention, gather_sequence, shard_sequence
+from lightning_ndclip.core.parallel.tensor_parallel import matches_plan_key
 
 __all__ = ["VERIFIED", "context_parallelize"]
 
@@ -44,13 +45,15 @@ class _CutSequence:
 
     def __init__(self, group: dist.ProcessGroup, rank: int, size: int) -> None:
         self.group, self.rank, self.size = group, rank, size
+        self.mask_checked = False
 
     def attend(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
         is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, **others: Any,
     ) -> torch.Tensor:  # fmt: skip
-        """diffusers' backend call (``[batch, seq, heads, head_dim]`` tensors) over the cut sequence."""
-        refused = {"attn_mask": attn_mask is not None, "dropout_p": dropout_p > 0, "enable_gqa": enable_gqa}
+        """diffusers' backend call (``[batch, seq, heads, head_dim]`` tensors) over the cut sequence; the keys may be
+        another sequence cut alike (a prompt), masked per key (:meth:`allowed_keys`)."""
+        refused = {"dropout_p": dropout_p > 0, "enable_gqa": enable_gqa}
         refused.update((name, bool(value)) for name, value in others.items())
         if any(refused.values()):
             names = [name for name, on in refused.items() if on]
@@ -58,17 +61,61 @@ class _CutSequence:
                 f"context parallelism on a diffusers model: its attention over the cut sequence was called with {names}, "
                 "which the ring attention does not take; train it with cp=1"
             )
-        local = query.shape[1]
-        positions = torch.arange(self.rank * local, (self.rank + 1) * local, device=query.device)
-        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        out = context_parallel_attention(q, k, v, group=self.group, positions=positions, is_causal=is_causal, scale=scale)
-        return out.transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [batch, heads, tokens, head_dim]
+        batch, heads, queries, keys = *q.shape[:3], k.shape[2]
+        ids = kv_ids = None
+        if attn_mask is not None:
+            allowed = self.allowed_keys(attn_mask, keys)  # [batch, heads or 1, keys]
+            if allowed.shape[1] > 1:  # a mask per head: each head its own row
+                q, k, v = (t.reshape(batch * heads, 1, *t.shape[2:]) for t in (q, k, v))
+            allowed = allowed.expand(batch, -1, keys).reshape(-1, keys)
+            ids = torch.zeros(allowed.shape[0], queries, dtype=torch.int64, device=q.device)
+            kv_ids = torch.where(allowed, 0, -1)
+        out = context_parallel_attention(
+            q, k, v, group=self.group, positions=self._positions(queries, q.device), is_causal=is_causal, scale=scale,
+            sample_ids=ids, kv_sample_ids=kv_ids, kv_positions=self._positions(keys, q.device),
+        )  # fmt: skip
+        return out.reshape(batch, heads, queries, -1).transpose(1, 2)
+
+    def _positions(self, local: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(self.rank * local, (self.rank + 1) * local, device=device)
+
+    def allowed_keys(self, mask: torch.Tensor, keys: int) -> torch.Tensor:
+        """``[batch, heads or 1, keys]`` booleans from an attention mask over this rank's ``keys`` that masks keys only
+        (``[batch, heads or 1, 1, keys]``): True, or a 0 bias, attends; False, or a bias of -1e4 or below (LTX's
+        -10000: ``exp`` of it is 0 in every float dtype), does not. A query whose every key (on every cp rank) carries
+        such a bias attends to all of them, as the bias then cancels in one device's softmax.
+
+        Raises:
+            ValueError: on every cp rank, the first time: the mask varies along the queries, or biases by other
+                values (the ring adds no bias).
+        """
+        key_only = mask.dim() == 4 and mask.shape[2] == 1 and mask.shape[3] == keys
+        if not key_only or (not self.mask_checked and mask.is_floating_point()):
+            bad = (torch.ones(()) if not key_only else ((mask != 0) & (mask > -1e4)).any().float()).to(mask.device)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)  # on the host, the first call only
+            if bad.item():
+                raise ValueError(
+                    f"context parallelism on a diffusers model: an attention mask of shape {tuple(mask.shape)} over "
+                    f"{keys} keys, which the ring attention does not take (it masks whole keys, [batch, heads, 1, keys], "
+                    "by True / False or a bias of 0 / -1e4 and below); train it with cp=1"
+                )
+        self.mask_checked = True
+        if not mask.is_floating_point():
+            return mask[:, :, 0]
+        allowed = mask[:, :, 0] == 0
+        some = allowed.any(-1, keepdim=True).to(torch.int32)
+        dist.all_reduce(some, op=dist.ReduceOp.MAX, group=self.group)
+        return allowed | (some == 0)
 
 
-VERIFIED = ("WanTransformer3DModel", "ChronoEditTransformer3DModel", "FluxTransformer2DModel")
-"""The model classes whose plans are tested exact against one device in float64 (``tests/test_diffusers_context.py``);
-others with a ``_cp_plan`` are refused until theirs is (LTX's cut cross-attention masks, which the ring does not
-take; Qwen-Image's wildcard entries; Flux 2, Helios, Cosmos 3 untested)."""
+VERIFIED = (
+    "WanTransformer3DModel", "ChronoEditTransformer3DModel", "FluxTransformer2DModel", "Flux2Transformer2DModel",
+    "QwenImageTransformer2DModel", "LTXVideoTransformer3DModel",
+)  # fmt: skip
+"""The model classes whose plans are tested exact against one device in float64 (``tests/test_diffusers_sweep.py``,
+``tests/test_diffusers_context.py``); others with a ``_cp_plan`` are refused until theirs is (LTX-2's audio-video
+cross-attention, whose rotary embedding its plan leaves whole; Helios, MiniMax H3 untested)."""
 
 
 def context_parallelize(model: nn.Module, cp: DeviceMesh) -> None:
@@ -93,8 +140,8 @@ def context_parallelize(model: nn.Module, cp: DeviceMesh) -> None:
             f"{', '.join(VERIFIED)}); train it with cp=1, or cut its sequence yourself (shard_sequence and "
             "context_parallel_attention)"
         )
-    modules = dict(model.named_modules())
-    missing = [key for key in plan if key not in modules]
+    targets = {key: [m for n, m in model.named_modules() if matches_plan_key(n, key)] for key in plan}  # '*': any block
+    missing = [key for key, found in targets.items() if not found]
     processors = [m.processor for m in model.modules() if getattr(m, "processor", None) is not None]
     unrouted = sorted({type(p).__name__ for p in processors if not _compat.takes_parallel_config(p)})
     if missing or unrouted or not processors:
@@ -104,22 +151,27 @@ def context_parallelize(model: nn.Module, cp: DeviceMesh) -> None:
     group, rank, size = cp.get_group(), cp.get_local_rank(), cp.size()
     cut = functools.partial(_cut, rank=rank, size=size, model=name)
     for key, entry in plan.items():
-        module = modules[key]
-        if isinstance(entry, Mapping):
-            inputs = {k: v for k, v in entry.items() if not v.split_output}
-            outputs = {k: v for k, v in entry.items() if v.split_output}
-            if inputs:
-                parameters = list(inspect.signature(module.forward).parameters)
-                module.register_forward_pre_hook(functools.partial(_cut_inputs, inputs, parameters, cut), with_kwargs=True)
-            if outputs:
-                module.register_forward_hook(functools.partial(_cut_outputs, outputs, cut))
-        else:
-            gathers = list(entry) if isinstance(entry, Sequence) else [entry]
-            module.register_forward_hook(functools.partial(_gather_outputs, gathers, group))
+        for module in targets[key]:
+            _hook(module, entry, cut, group)
     marker = _CutSequence(group, rank, size)
     for processor in processors:
         _compat.set_parallel_config(processor, marker)
     _compat.route_diffusers_attention(_routed)
+
+
+def _hook(module: nn.Module, entry: Any, cut: Callable[..., Any], group: dist.ProcessGroup) -> None:
+    """Cut ``module``'s inputs or outputs, or gather its outputs, as its plan ``entry`` says."""
+    if isinstance(entry, Mapping):
+        inputs = {k: v for k, v in entry.items() if not v.split_output}
+        outputs = {k: v for k, v in entry.items() if v.split_output}
+        if inputs:
+            parameters = list(inspect.signature(module.forward).parameters)
+            module.register_forward_pre_hook(functools.partial(_cut_inputs, inputs, parameters, cut), with_kwargs=True)
+        if outputs:
+            module.register_forward_hook(functools.partial(_cut_outputs, outputs, cut))
+    else:
+        gathers = list(entry) if isinstance(entry, Sequence) else [entry]
+        module.register_forward_hook(functools.partial(_gather_outputs, gathers, group))
 
 
 def _routed(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
