@@ -29,6 +29,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._foreach_utils import _device_has_foreach_support, _group_tensors_by_device_and_dtype
 from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 from torch.utils._pytree import tree_leaves as _tree_leaves
+from torch.utils._pytree import tree_map as _tree_map
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -70,6 +71,7 @@ __all__ = [
     "logged_in_this_hook",
     "sync_ddp_if_available",
     "tree_leaves",
+    "tree_map",
     "unsafe_view",
     "unflatten_mesh",
     "view_base",
@@ -105,6 +107,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "dynamo_counters": ("torch._dynamo.utils:counters",),
     "redistribute_logger": ("torch.distributed.tensor._redistribute:logger",),
     "tree_leaves": ("torch.utils._pytree:tree_leaves",),
+    "tree_map": ("torch.utils._pytree:tree_map",),
     "checkpoint_wrapper": ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper:checkpoint_wrapper",),
     "flatten_mesh": ("torch.distributed.device_mesh:DeviceMesh._flatten",),
     "unflatten_mesh": ("torch.distributed.device_mesh:DeviceMesh._unflatten",),
@@ -358,6 +361,10 @@ DTensor parameters without DTensor's Python dispatch per read; no public equival
 tree_leaves = _tree_leaves
 """The tensors of a nested output, flattened as torch's pipelining flattens it (reason: torch has no
 public pytree module)."""
+
+tree_map = _tree_map
+"""A nested output with each tensor mapped, walked as FSDP2 walks a unit's output (reason: torch has no public
+pytree module)."""
 
 checkpoint_wrapper = _checkpoint_wrapper
 """Wraps a module so its forward is recomputed in backward, state-dict keys unchanged (reason: the

@@ -4,12 +4,10 @@ without it; see ``conftest.py``)."""
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
 import os
 import sys
 import traceback
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,31 +24,21 @@ def use_existing_process_group() -> None:
     )
 
 
-class _Absent(importlib.abc.MetaPathFinder):
-    """Finds the modules of ``roots`` nowhere, as where those packages are not installed."""
-
-    def __init__(self, roots: tuple[str, ...]) -> None:
-        self.roots = roots
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
-        if fullname.split(".")[0] in self.roots:
-            raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
-        return None
-
-
 @contextlib.contextmanager
 def not_installed(*roots: str) -> Iterator[None]:
     """Inside, the packages ``roots`` (``"transformers"``) are as if not installed: importing them or any of their
-    modules raises ``ModuleNotFoundError``, and those imported before are out of ``sys.modules`` (put back after)."""
+    modules raises ``ModuleNotFoundError`` and ``importlib.util.find_spec`` finds none of them (a ``None`` in
+    ``sys.modules``, Python's own mark for a module that is not there); those imported before are out of
+    ``sys.modules`` (put back after)."""
     hidden = {name: module for name, module in sys.modules.items() if name.split(".")[0] in roots}
     for name in hidden:
         del sys.modules[name]
-    finder = _Absent(roots)
-    sys.meta_path.insert(0, finder)
+    sys.modules.update(dict.fromkeys(roots))
     try:
         yield
     finally:
-        sys.meta_path.remove(finder)
+        for root in roots:
+            sys.modules.pop(root, None)
         sys.modules.update(hidden)
 
 

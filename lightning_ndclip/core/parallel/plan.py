@@ -25,6 +25,7 @@ from lightning_ndclip.core.parallel.tensor_parallel import (
     output_not_a_view,
     resolved_plan,
     tensor_parallelize,
+    views_copied,
 )
 
 __all__ = ["ParallelPlan", "check_plan_sizes", "parallelize"]
@@ -206,6 +207,7 @@ def parallelize(
     for root in roots:
         for linear in _own_linears(root):  # e.g. an LM head: its output may be the unit's
             linear.register_forward_hook(output_not_a_view)
+        root.register_forward_hook(views_copied)  # before fully_shard's own hook, which sees the output after it
         fully_shard(root, **fsdp_kwargs)
         if isinstance(root, nn.Sequential):
             _SequentialCalled(root, next((n for n, m in module.named_modules() if m is root), "") or "the module")

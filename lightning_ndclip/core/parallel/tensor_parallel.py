@@ -226,6 +226,16 @@ def output_not_a_view(module: nn.Module, inputs: Any, output: Any) -> Any:
     return output
 
 
+def views_copied(module: nn.Module, inputs: Any, output: Any) -> Any:
+    """A forward hook on an FSDP2 root unit giving each tensor of its (nested) output that is a view as a copy: a
+    model that ends by reshaping its result (a diffusers transformer unpatchifying its latents) would return a view,
+    on which an in-place op would drop FSDP2's backward hook (and FSDP2 warns that it could). A copy, not
+    :func:`output_not_a_view`'s re-labelling: the base may be saved for backward. Free where nothing is a view."""
+    if torch.compiler.is_compiling():
+        return output
+    return _compat.tree_map(lambda t: t.clone() if type(t) is torch.Tensor and _compat.view_base(t) is not None else t, output)
+
+
 OWN_OUTPUT_GRADIENT: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 """Modules with plain (whole) weights whose style sums their output's gradient over tp where the output meets split
 heads (:class:`~lightning_ndclip.integrations.transformers.plans.LatentKeyParallel`): the split-activation watch leaves their
