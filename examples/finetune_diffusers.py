@@ -8,8 +8,9 @@
     torchrun --nproc-per-node 4 examples/finetune_diffusers.py       # or under SLURM: srun python ...
 
 ``--model`` is a local ``WanTransformer3DModel`` directory (``config.json`` and ``diffusion_pytorch_model*.safetensors``,
-as ``save_pretrained`` writes them; a pipeline's ``transformer/`` folder), loaded whole by ``from_pretrained`` on
-every rank before the strategy shards it. Without it a tiny random Wan is built offline. The data: latent clips of
+as ``save_pretrained`` writes them; a pipeline's ``transformer/`` folder): the model is built on the meta device and
+the strategy loads the checkpoint straight into each rank's shards (``hf_checkpoint=``). Without it a tiny random
+Wan is built offline. The data: latent clips of
 moving sine waves, ``--frames`` latent frames of which each clip keeps 1 to all (the rest masked out of its loss),
 with a random prompt embedding each. The loss is flow matching (the velocity from the clip to the noise), per
 latent element; ``loss_normalization="sample_mean"`` makes it each clip's mean over its own elements, then the
@@ -34,11 +35,12 @@ from lightning_ndclip import GlobalNormClip, NDParallelStrategy, ParallelPlan, V
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    """The checkpoint's Wan transformer, or a tiny random one."""
+    """The checkpoint's Wan transformer on the meta device (the strategy fills it), or a tiny random one."""
     from diffusers import WanTransformer3DModel
 
     if args.model:
-        return WanTransformer3DModel.from_pretrained(args.model)
+        with torch.device("meta"):
+            return WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(args.model))
     return WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=args.channels,
         out_channels=args.channels, text_dim=args.text_dim, freq_dim=32, ffn_dim=64, num_layers=args.layers,
@@ -115,7 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def strategy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     plan = ParallelPlan(tp_plan="auto")  # the model's own _cp_plan under cp; FSDP2 units: its blocks
-    return dict(dp_shard=args.dp_shard, cp=args.cp, plan=plan, loss_normalization="sample_mean", log_loss="train/loss")
+    return dict(dp_shard=args.dp_shard, cp=args.cp, plan=plan, loss_normalization="sample_mean", log_loss="train/loss",
+                hf_checkpoint=args.model)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

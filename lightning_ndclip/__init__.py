@@ -54,6 +54,7 @@ from lightning_ndclip.core.pipeline import (
     tie_gradients,
 )
 from lightning_ndclip.core.random import RandomStreams
+from lightning_ndclip.integrations.diffusers.checkpoint import load_diffusers_checkpoint, save_diffusers_checkpoint
 from lightning_ndclip.integrations.transformers.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from lightning_ndclip.integrations.transformers.plans import HF_STYLES, LatentKeyParallel, hf_ep_plan, hf_tp_plan
 
@@ -122,6 +123,7 @@ __all__ = [
     "hf_tp_plan",
     "load_balance",
     "load_balancing_loss",
+    "load_diffusers_checkpoint",
     "load_hf_checkpoint",
     "loss_parallel_plan",
     "loss_share",
@@ -130,6 +132,7 @@ __all__ = [
     "ring_attention",
     "router_aux_loss",
     "sample_ids_from_lengths",
+    "save_diffusers_checkpoint",
     "save_hf_checkpoint",
     "schedule_stages",
     "shard_experts",

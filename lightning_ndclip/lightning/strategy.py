@@ -247,8 +247,9 @@ class NDParallelStrategy(ModelParallelStrategy):
             (:func:`~lightning_ndclip.core.parallel.summary.summarize`) and what the first step counts.
         save_distributed_checkpoint: one shard per rank (``True``), or a full checkpoint on rank 0.
         hf_checkpoint: a Hugging Face checkpoint directory (``*.safetensors``) to load into the
-            LightningModule's ``transformers`` model once it is parallelized, each rank reading only its
-            shards (:func:`~lightning_ndclip.integrations.transformers.checkpoint.load_hf_checkpoint`). Build the model on
+            LightningModule's ``transformers`` or ``diffusers`` model once it is parallelized, each rank reading only
+            its shards (:func:`~lightning_ndclip.integrations.transformers.checkpoint.load_hf_checkpoint`,
+            :func:`~lightning_ndclip.integrations.diffusers.checkpoint.load_diffusers_checkpoint`). Build the model on
             the meta device (``with torch.device("meta")``, or ``Trainer.init_module(empty_init=True)``)
             and no rank ever holds all of it. With ``pp > 1``, each rank loads its stages' tensors.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: from the accelerator.

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ndclip import _compat
 from lightning_ndclip.core.libraries import ModelLibrary, outermost
-from lightning_ndclip.integrations.diffusers import context
+from lightning_ndclip.integrations.diffusers import checkpoint, context
 
 
 class Diffusers(ModelLibrary):
@@ -33,3 +35,10 @@ class Diffusers(ModelLibrary):
 
     def context_parallelize(self, model: nn.Module, cp: DeviceMesh) -> None:
         context.context_parallelize(model, cp)
+
+    def load_checkpoint(
+        self, model: nn.Module, directory: Any, *, device: torch.device, held_elsewhere: Collection[str] = ()
+    ) -> None:
+        if held_elsewhere:
+            raise ValueError("diffusers checkpoints are not loaded into pipeline stages: train a diffusers model with pp=1")
+        checkpoint.load_diffusers_checkpoint(model, directory, device=device)
