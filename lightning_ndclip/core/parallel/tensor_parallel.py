@@ -88,6 +88,22 @@ def tied_parameters(module: nn.Module) -> Ties:
     return [tuple(names) for names in by_tensor.values() if len(names) > 1]
 
 
+def to_empty_keeping_ties(module: nn.Module, device: torch.device | str | None = None) -> None:
+    """``module.to_empty(device=...)`` (default: the current accelerator, else the CPU), which makes a new parameter
+    of each name of a plain tied tensor moved off the meta device, with every tie (:func:`tied_parameters`) made one
+    again: a checkpoint loader's first step for a model built on the meta device."""
+    if device is None:
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        device = torch.device(accelerator.type, torch.accelerator.current_device_index()) if accelerator else "cpu"
+    ties = tied_parameters(module)
+    module.to_empty(device=device)
+    for names in ties:
+        first = module.get_parameter(names[0])
+        for name in names[1:]:
+            path, _, attribute = name.rpartition(".")
+            setattr(module.get_submodule(path), attribute, first)
+
+
 def _owner(module: nn.Module, name: str) -> tuple[str, nn.Module, str]:
     path, _, attribute = name.rpartition(".")
     return path, module.get_submodule(path), attribute

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_ndclip.core.agree import run_agreed
-from lightning_ndclip.core.parallel.tensor_parallel import tied_parameters
+from lightning_ndclip.core.parallel.tensor_parallel import to_empty_keeping_ties
 
 __all__ = ["load_diffusers_checkpoint", "save_diffusers_checkpoint"]
 
@@ -47,7 +47,8 @@ def load_diffusers_checkpoint(
     """Load the ``save_pretrained`` directory ``directory`` into ``model``, a ``diffusers`` model that may be
     parallelized on any mesh and built on the meta device. Call it on every rank, after parallelizing.
 
-    * A model still on the meta device is first given storage on ``device`` (default: the CPU) with ``to_empty``;
+    * A model still on the meta device is first given storage on ``device`` (default: the current accelerator,
+      else the CPU) with ``to_empty``;
       its buffers the checkpoint does not store are then set as its class's constructor computes them from its
       config (run with every parameter on the meta device: no weight is allocated).
     * Every parameter and stored buffer is read from the files; a sharded one (a ``DTensor``) reads only the slices
@@ -78,7 +79,7 @@ def load_diffusers_checkpoint(
         if problems:
             raise ValueError(f"load_diffusers_checkpoint: {directory} does not fit {name}: " + "; ".join(problems))
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-            _to_empty_with_unsaved_buffers(model, torch.device(device or "cpu"), set(state))
+            _to_empty_with_unsaved_buffers(model, device, set(state))
         return [n for n in state if n in stored]
 
     single = not _distributed()
@@ -89,16 +90,10 @@ def load_diffusers_checkpoint(
         dcp.load({name: state[name] for name in names}, storage_reader=reader, no_dist=single)
 
 
-def _to_empty_with_unsaved_buffers(model: nn.Module, device: torch.device, saved: set[str]) -> None:
+def _to_empty_with_unsaved_buffers(model: nn.Module, device: torch.device | str | None, saved: set[str]) -> None:
     """``model.to_empty(device=device)`` keeping its ties, then each buffer ``saved`` does not name set as the model's
     constructor computes it."""
-    ties = tied_parameters(model)
-    model.to_empty(device=device)
-    for names in ties:
-        first = model.get_parameter(names[0])
-        for name in names[1:]:
-            path, _, attribute = name.rpartition(".")
-            setattr(model.get_submodule(path), attribute, first)
+    to_empty_keeping_ties(model, device)
     unsaved = {_plain(n): b for n, b in model.named_buffers() if _plain(n) not in saved}
     if not unsaved:
         return

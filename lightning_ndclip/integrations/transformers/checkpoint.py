@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_ndclip import _compat
 from lightning_ndclip.core.agree import run_agreed
-from lightning_ndclip.core.parallel.tensor_parallel import tied_parameters
+from lightning_ndclip.core.parallel.tensor_parallel import to_empty_keeping_ties
 from lightning_ndclip.integrations.transformers._checkpoint_pieces import (
     Conversions,
     Piece,
@@ -240,7 +240,7 @@ def load_hf_checkpoint(
     def prepare() -> tuple[dict[str, str], dict[str, list[Piece]]]:
         to_read, pieces = _names_to_read(model, metadata, strict, tuple(held_elsewhere))
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-            _to_empty_keeping_ties(model, torch.device(device) if device is not None else _default_device())
+            to_empty_keeping_ties(model, device)
         _recompute_unsaved_buffers(model)
         return to_read, pieces
 
@@ -257,23 +257,6 @@ def load_hf_checkpoint(
     files = stored_files(directory) if pieces else {}
     for name, tensor_pieces in pieces.items():
         read_pieces(state[name], tensor_pieces, files)
-
-
-def _default_device() -> torch.device:
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    return torch.device(accelerator.type, torch.accelerator.current_device_index()) if accelerator else torch.device("cpu")
-
-
-def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
-    """``model.to_empty(device=device)``, which makes a new parameter of each name of a plain tied
-    tensor moved off the meta device, with every tie (:func:`tied_parameters`) made one again."""
-    ties = tied_parameters(model)
-    model.to_empty(device=device)
-    for names in ties:
-        first = model.get_parameter(names[0])
-        for name in names[1:]:
-            path, _, attribute = name.rpartition(".")
-            setattr(model.get_submodule(path), attribute, first)
 
 
 def _names_to_read(
