@@ -216,6 +216,12 @@ def parallelize(
     return module
 
 
+def own_class_name(module: nn.Module) -> str:
+    """The name of ``module``'s own class: ``fully_shard`` swaps a unit's class for a subclass of it
+    (``FSDPLlamaForCausalLM``), which messages, summaries and saved configs must not name."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
 def _apply_library_plans(
     module: nn.Module, meshes: ParallelMeshes
 ) -> tuple[dict[str, ParallelStyle] | None, dict[str, nn.Module]]:

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_ndclip._compat import StridedShard, dtensor_spec
 from lightning_ndclip.core.parallel.mesh import MESH_DIM_NAMES, ParallelDims, ParallelMeshes
+from lightning_ndclip.core.parallel.plan import own_class_name
 
 __all__ = ["ModuleRow", "ParallelSummary", "summarize"]
 
@@ -248,8 +249,7 @@ def _row(
     fsdp = " + ".join(([str(len(units))] if units else []) + (["root"] if outer else [])) or "-"
     order = ("colwise", "rowwise", "replicated")
     tp = ", ".join(f"{s} {styles[s]}" for s in sorted(styles, key=lambda s: (order.index(s) if s in order else 9, s)))
-    # fully_shard swaps a unit's class for a subclass (FSDPLinear): name the model's own class
-    kind = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
+    kind = own_class_name(module)
     return ModuleRow(
         name=name,
         kind=kind,

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_ndclip.core.agree import run_agreed
+from lightning_ndclip.core.parallel.plan import own_class_name
 from lightning_ndclip.core.parallel.tensor_parallel import to_empty_keeping_ties
 
 __all__ = ["load_diffusers_checkpoint", "save_diffusers_checkpoint"]
@@ -63,7 +63,7 @@ def load_diffusers_checkpoint(
     reader = HuggingFaceStorageReader(str(directory))
     stored: dict[str, Any] = dict(reader.read_metadata().state_dict_metadata)
 
-    name = _class_name(model)
+    name = own_class_name(model)
 
     def prepare() -> list[str]:
         state = model.state_dict(keep_vars=True)
@@ -102,11 +102,6 @@ def _to_empty_with_unsaved_buffers(model: nn.Module, device: torch.device | str 
     with torch.no_grad():
         for name, buffer in unsaved.items():
             buffer.copy_(fresh[name])
-
-
-def _class_name(model: nn.Module) -> str:
-    """The model's class name, not that of the subclass FSDP2 makes of it (``FSDPWanTransformer3DModel``)."""
-    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
 def _plain(name: str) -> str:
@@ -149,7 +144,7 @@ def save_diffusers_checkpoint(model: Any, directory: str | os.PathLike[str], *, 
         out.mkdir(parents=True, exist_ok=True)
         model.save_config(out)
         config = json.loads((out / "config.json").read_text())
-        (out / "config.json").write_text(json.dumps({**config, "_class_name": _class_name(model)}, indent=2, sort_keys=True))
+        (out / "config.json").write_text(json.dumps({**config, "_class_name": own_class_name(model)}, indent=2, sort_keys=True))
     parts: list[list[str]] = []
     shard: dict[str, torch.Tensor] = {}
     size = total = 0

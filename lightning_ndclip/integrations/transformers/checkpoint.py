@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_ndclip import _compat
 from lightning_ndclip.core.agree import run_agreed
+from lightning_ndclip.core.parallel.plan import own_class_name
 from lightning_ndclip.core.parallel.tensor_parallel import to_empty_keeping_ties
 from lightning_ndclip.integrations.transformers._checkpoint_pieces import (
     Conversions,
@@ -321,9 +322,9 @@ def _names_to_read(
     if strict and missing:
         problems.append(f"missing from the checkpoint: {some(missing)}")
     if strict and unexpected:
-        problems.append(f"in the checkpoint, not in {type(model).__name__}: {some(unexpected)}")
+        problems.append(f"in the checkpoint, not in {own_class_name(model)}: {some(unexpected)}")
     if problems:
-        raise ValueError(f"load_hf_checkpoint: the checkpoint does not fit {type(model).__name__}: " + "; ".join(problems))
+        raise ValueError(f"load_hf_checkpoint: the checkpoint does not fit {own_class_name(model)}: " + "; ".join(problems))
     return to_read, assembly.pieces
 
 
