@@ -21,6 +21,7 @@ from diffusers import ChronoEditTransformer3DModel, WanTransformer3DModel  # noq
 from diffusers.models.transformers.transformer_wan import WanTransformerBlock  # noqa: E402
 from harness import run_on_ranks  # noqa: E402
 from helpers import use_existing_process_group  # noqa: E402
+from test_diffusers_sweep import _own_tokens_only  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 import lightning_ndclip as nd  # noqa: E402
@@ -111,17 +112,12 @@ def _reference(family: str = "Wan") -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _local_attention(self, query, key, value, **kwargs):
-    """The cut without the ring: each cp rank's queries attend over its own tokens only."""
-    return torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value))).transpose(1, 2)
-
-
 def _fit(layout: dict[str, int], without_ring: bool = False) -> dict:
     use_existing_process_group()
     if without_ring:
         from lightning_ndclip.integrations.diffusers import context
 
-        context._CutSequence.attend = _local_attention  # the workers are reused: put back below
+        context._CutSequence.attend = _own_tokens_only  # the workers are reused: put back below
     try:
         return _train(layout)
     finally:
@@ -282,7 +278,7 @@ def _fit_flux(without_ring: bool = False) -> dict:
     if without_ring:
         from lightning_ndclip.integrations.diffusers import context
 
-        context._CutSequence.attend = _local_attention  # the workers are reused: put back below
+        context._CutSequence.attend = _own_tokens_only  # the workers are reused: put back below
     try:
         return _train_flux()
     finally:
