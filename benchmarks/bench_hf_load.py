@@ -21,6 +21,14 @@ each decoder layer one FSDP2 unit:
 * ``meta + load (fsdp x ep)`` (MoE): ``dp_shard = W x ep = 2``, whole experts over ``ep``, FSDP2
   over ``edp``: each rank reads its own experts' tensors only.
 
+``--model wan``: a diffusers ``WanTransformer3DModel`` (Wan 2.1 1.3B's widths, fewer blocks), each block one
+FSDP2 unit, loaded with ``lightning_ndclip.load_diffusers_checkpoint``:
+
+* ``whole model (float32)``: built in float32 on every rank, the checkpoint loaded into it, then sharded
+  (what diffusers' ``from_pretrained`` then ``fully_shard`` costs each rank).
+* ``meta + load (fsdp)`` / ``meta + load (fsdp x cp)``: built on the meta device, sharded with FSDP2 over
+  all ranks (``dp_shard = W``, or ``dp_shard = W/2 x cp = 2``: FSDP2 shards over both), then loaded.
+
 How memory is measured: once torch, transformers and the process group are up, each rank resets its
 peak resident set size (``/proc/self/clear_refs``) and reads it (``VmHWM``), and reads it again after
 the model is built, parallelized and loaded; the difference is what building and loading needed.
@@ -32,6 +40,7 @@ Run by hand (see README.md)::
 
     python benchmarks/bench_hf_load.py                     # 4 ranks, ~1 GB Llama, ~3 min
     python benchmarks/bench_hf_load.py --model moe         # 4 ranks, ~0.5 GB Qwen3-MoE, ~2 min
+    python benchmarks/bench_hf_load.py --model wan         # 4 ranks, ~0.7 GB diffusers Wan
 """
 
 from __future__ import annotations
@@ -51,15 +60,23 @@ RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = {
     "llama": ("from_pretrained (float32)", "from_pretrained (as stored)", "meta + load (fsdp)", "meta + load (fsdp x tp)"),
     "moe": ("from_pretrained (float32)", "meta + load (fsdp)", "meta + load (fsdp x ep)", "meta + load (fsdp x tp)"),
+    "wan": ("whole model (float32)", "meta + load (fsdp)", "meta + load (fsdp x cp)"),
 }
-NAMES = {"llama": "Llama", "moe": "Qwen3-MoE (per-expert)"}
+NAMES = {"llama": "Llama", "moe": "Qwen3-MoE (per-expert)", "wan": "Wan (diffusers)"}
 DEFAULTS = {  # --hidden, --intermediate (the MoE's: per expert) of each model
     "llama": {"hidden": 2048, "intermediate": 5632},
     "moe": {"hidden": 1024, "intermediate": 512},
+    "wan": {"hidden": 1536, "intermediate": 8960},
 }
 
 
 def config(args):
+    if args.model == "wan":  # the keyword arguments of WanTransformer3DModel
+        return dict(
+            patch_size=(1, 2, 2), num_attention_heads=args.hidden // 128, attention_head_dim=128, in_channels=16,
+            out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=args.intermediate, num_layers=args.layers,
+            cross_attn_norm=True,
+        )  # fmt: skip
     from transformers import LlamaConfig, Qwen3MoeConfig
 
     common = dict(
@@ -76,6 +93,10 @@ def config(args):
 
 
 def model_class(args):
+    if args.model == "wan":
+        from diffusers import WanTransformer3DModel
+
+        return lambda cfg: WanTransformer3DModel(**cfg)
     from transformers import LlamaForCausalLM, Qwen3MoeForCausalLM
 
     return LlamaForCausalLM if args.model == "llama" else Qwen3MoeForCausalLM
@@ -104,8 +125,19 @@ def build_and_load(method: str, directory: str, args):
 
     world = dist.get_world_size()
     layout = method[method.index("(") + 1 : -1]
-    tp, ep = (2 if layout == "fsdp x tp" else 1), (2 if layout == "fsdp x ep" else 1)
-    meshes = nd.ParallelDims(world_size=world, dp_shard=world // tp, tp=tp, ep=ep).build_mesh("cpu")
+    tp, ep, cp = (2 if layout == "fsdp x tp" else 1), (2 if layout == "fsdp x ep" else 1), (2 if layout == "fsdp x cp" else 1)
+    meshes = nd.ParallelDims(world_size=world, dp_shard=world // (tp * cp), tp=tp, ep=ep, cp=cp).build_mesh("cpu")
+    if args.model == "wan":
+        if method.startswith("whole"):
+            model = model_class(args)(config(args))
+            nd.load_diffusers_checkpoint(model, directory)
+            nd.parallelize(model, meshes, fsdp_units=[type(model.blocks[0])])
+            return model
+        with torch.device("meta"):
+            model = model_class(args)(config(args))
+        nd.ParallelPlan(fsdp_units=[type(model.blocks[0])]).apply(model, meshes)
+        nd.load_diffusers_checkpoint(model, directory)
+        return model
     if method.startswith("from_pretrained"):
         model = model_class(args).from_pretrained(directory, dtype=torch.float32 if "float32" in method else "auto")
         nd.parallelize(model, meshes, fsdp_units=[type(model.model.layers[0])])
@@ -121,7 +153,7 @@ def build_and_load(method: str, directory: str, args):
 def worker(rank: int, args, port: int, out_json: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
-    import transformers  # noqa: F401  (imported before the baseline)
+    __import__("diffusers" if args.model == "wan" else "transformers")  # imported before the baseline
 
     import lightning_ndclip  # noqa: F401
 
@@ -147,6 +179,8 @@ def worker(rank: int, args, port: int, out_json: str) -> None:
 def _described(a: dict) -> str:
     if a["model"] == "llama":
         return f"Random-weight Llama, {a['params'] / 1e6:.0f}M parameters"
+    if a["model"] == "wan":
+        return f"Random-weight diffusers Wan ({a['layers']} blocks of width {a['hidden']}), {a['params'] / 1e6:.0f}M parameters"
     share = a["expert_params"] / a["params"]
     return (
         f"Random-weight Qwen3-MoE, {a['params'] / 1e6:.0f}M parameters, {a['expert_params'] / 1e6:.0f}M of them "
@@ -215,7 +249,7 @@ def main() -> None:
         del model
         args.directory = directory
         cases = [{"method": m} for m in args.methods]
-        stem = f"hf_load_{args.world_size}ranks" if args.model == "llama" else f"hf_load_moe_{args.world_size}ranks"
+        stem = f"hf_load_{args.world_size}ranks" if args.model == "llama" else f"hf_load_{args.model}_{args.world_size}ranks"
         spawn_and_report(worker, args, RESULTS / stem, write_markdown, write_plot, cases)
 
 
