@@ -74,3 +74,20 @@ def tiny_causal_lm(family: str, **overrides: Any) -> nn.Module:
             if "norm" in name or "layernorm" in name:
                 param.add_(0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
     return model
+
+
+EXPERTS_OVER_TP = {
+    "model.layers.*.mlp.experts": "moe_tp_experts",
+    "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "model.layers.*.mlp.experts.down_proj": "rowwise",
+}
+"""The tp entries for packed experts that transformers 5.5-5.24 ship in the MoE families' own plans (5.25 and later
+leave the experts to the ep plan: whole on every tp rank under tp alone)."""
+
+
+def with_experts_over_tp(model: nn.Module) -> nn.Module:
+    """``model`` with its packed experts split over tp by its plan, as the releases of :data:`EXPERTS_OVER_TP`
+    ship it, where this release's plan leaves them whole."""
+    if "moe_tp_experts" not in model.tp_plan.values():
+        model.tp_plan = {**model.tp_plan, **EXPERTS_OVER_TP}
+    return model

@@ -17,7 +17,7 @@ import pytest
 import torch
 from harness import run_on_ranks
 from helpers import use_existing_process_group
-from hf_families import FAMILIES, MOE, tiny_causal_lm
+from hf_families import EXPERTS_OVER_TP, FAMILIES, MOE, tiny_causal_lm, with_experts_over_tp
 from test_callbacks import Recorder
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -122,9 +122,11 @@ def _fit(module: L.LightningModule, strategy: nd.NDParallelStrategy, steps: int)
     }
 
 
-def _fit_case(family: str, export_to: str | None = None) -> dict:
+def _fit_case(family: str, export_to: str | None = None, experts_over_tp: bool = False) -> dict:
     use_existing_process_group()
     module = _FamilyModule(family)
+    if experts_over_tp:
+        with_experts_over_tp(module.lm)
     plan = nd.ParallelPlan(tp_plan="auto")  # FSDP2 units: the family's own blocks (its _no_split_modules)
     strategy = nd.NDParallelStrategy(dp_shard=2, tp=2, plan=plan, loss_normalization="token_mean", summary=False)
     _, logged = _fit(module, strategy, STEPS)
@@ -170,17 +172,35 @@ def test_a_family_trained_with_its_own_plan_equals_one_device(family):
     split = {canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)
              if n.endswith(".weight") and any(fnmatch(n.rsplit(".", 1)[0], k) for k in styles)}  # fmt: skip
     assert [n for n in result["tp_split"] if n.endswith(".weight")] == sorted(split), result["tp_split"]
-    experts = [n for n, _ in model.named_parameters() if ".experts." in n]  # every expert weight, split over tp
+    # every expert weight split over tp where the plan names the experts (transformers 5.5-5.24), none after
+    experts = [n for n, _ in model.named_parameters() if ".experts." in n and "moe_tp_experts" in model.tp_plan.values()]
     assert [n for n in result["tp_split"] if ".experts." in n] == sorted(experts)
     assert result["layer_units"] == [True] * len(model.base_model.layers)  # each decoder layer an FSDP2 unit
     assert result["view_warnings"] == []  # FSDP2's, for a unit (the model, the strategy's root) returning a view
     assert "verdict: exact" in result["verified"], result["verified"]  # the users' own check agrees
     assert "as one batch  loss" in result["verified"], result["verified"]  # the window as one batch too
+    _assert_matches(result, reference)
+
+
+def _assert_matches(result: dict, reference: dict) -> None:
     for key in ("losses", "norms"):
         torch.testing.assert_close(torch.tensor(result[key]), torch.tensor(reference[key]), rtol=1e-5, atol=0, msg=key)
     assert result["params"].keys() == reference["params"].keys()
     for name, expected in reference["params"].items():
         torch.testing.assert_close(result["params"][name].double(), expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_packed_experts_the_plan_splits_over_tp_train_exactly():
+    """Mixtral's experts under 'moe_tp_experts' (its own plan in transformers 5.5-5.24, given here where the release
+    leaves the experts to ep): each expert's gate and up rows and its down columns split over tp; exact."""
+    if _unmapped_style(tiny_causal_lm("Mixtral")) is not None:
+        pytest.skip("this release's Mixtral plan has styles hf_tp_plan does not map")
+    reference = _reference("Mixtral")
+    result = run_on_ranks(4, _fit_case, "Mixtral", None, True)[0]
+    experts = [n for n, _ in tiny_causal_lm("Mixtral").named_parameters() if ".experts." in n]
+    assert experts and [n for n in result["tp_split"] if ".experts." in n] == sorted(experts)
+    assert "verdict: exact" in result["verified"], result["verified"]
+    _assert_matches(result, reference)
 
 
 def test_a_plan_whose_style_cannot_be_exact_is_refused_naming_the_entry():
@@ -190,7 +210,7 @@ def test_a_plan_whose_style_cannot_be_exact_is_refused_naming_the_entry():
     mixtral = tiny_causal_lm("Mixtral")
     if _unmapped_style(mixtral) is not None:
         return  # an older release's MoE plan
-    weights_alone = {k: v for k, v in mixtral.tp_plan.items() if v != "moe_tp_experts"}
+    weights_alone = {k: v for k, v in {**mixtral.tp_plan, **EXPERTS_OVER_TP}.items() if v != "moe_tp_experts"}
     with pytest.raises(ValueError, match=r"experts.gate_up_proj'\] = 'packed_colwise' names weights"):
         nd.hf_tp_plan(_with_plan("Mixtral", weights_alone))
 

@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 import torch
 from harness import run_on_ranks
-from hf_families import tiny_causal_lm
+from hf_families import tiny_causal_lm, with_experts_over_tp
 from test_hf_load import TOKENS, checkpoint_on_meta, strategy_case
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -49,6 +49,8 @@ def _parallelized(directory: str, layout: str) -> nn.Module:
     """Built on meta and parallelized as NDParallelStrategy(plan=ParallelPlan(...)) does: the model's own plans, each
     decoder layer one FSDP2 unit (the experts their own, over edp, under ep)."""
     model = checkpoint_on_meta(directory)
+    if layout == "tp":  # split over tp as the plans of transformers 5.5-5.24 do (later ones leave them whole)
+        with_experts_over_tp(model)
     meshes = nd.ParallelDims(world_size=4, **LAYOUTS[layout]).build_mesh("cpu")
     own_plans = "ep" in LAYOUTS[layout] or "tp" in LAYOUTS[layout]
     plan = nd.ParallelPlan(tp_plan="auto" if own_plans else None, fsdp_units=[type(model.model.layers[0])])
