@@ -50,8 +50,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _FENCE = re.compile(r"^[ \t]*```python[ \t]*$")
 _RUN = re.compile(r"^[ \t]*<!--\s*run:(?P<args>[^>]*)-->\s*$")
 _NOT_RUN = re.compile(r"^#\s*not run:\s*(?P<why>.+)$")
-_EXTRAS = {"transformers": "hf", "diffusers": "diffusers"}
-"""Optional packages a block (or its fixture) may import, and the extra that installs each."""
+_EXTRAS = {"transformers": "the hf extra", "diffusers": "the diffusers extra", "litgpt": "pip install litgpt"}
+"""Optional packages a block (or its fixture) may import, and what installs each."""
 
 
 def _blocks() -> list:
@@ -95,7 +95,7 @@ def _missing(source: str, options: dict) -> str | None:
     imported = {module.split(".")[0] for module, _ in imported_modules(ast.parse(code))}
     for package, extra in _EXTRAS.items():
         if package in imported and importlib.util.find_spec(package) is None:
-            return f"{package} (the {extra} extra)"
+            return f"{package} ({extra})"
     return None
 
 
