@@ -187,11 +187,13 @@ def test_verify_one_device_replays_the_cut_model_and_its_drawn_noise_on_one_proc
 
 
 def _unverified_model_under_cp() -> str:
-    from diffusers import LTX2VideoTransformer3DModel
-    from test_diffusers_sweep import _ltx2
+    from diffusers import HeliosTransformer3DModel
 
     meshes = nd.ParallelDims(world_size=2, dp_shard=1, cp=2).build_mesh("cpu")
-    model = LTX2VideoTransformer3DModel(**_ltx2(torch.Generator())[0])
+    model = HeliosTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32,
+        num_layers=1, rope_dim=(4, 2, 2),
+    )  # fmt: skip
     with pytest.raises(ValueError) as error:
         nd.parallelize(model, meshes, tp_plan="auto")
     return str(error.value)
@@ -199,7 +201,7 @@ def _unverified_model_under_cp() -> str:
 
 def test_a_plan_not_yet_verified_is_refused_naming_the_model_on_every_rank():
     for message in run_on_ranks(2, _unverified_model_under_cp):
-        assert "LTX2VideoTransformer3DModel's context-parallel plan is not yet verified" in message
+        assert "HeliosTransformer3DModel's context-parallel plan is not yet verified" in message
         assert "WanTransformer3DModel" in message
 
 

@@ -142,12 +142,7 @@ BUILDERS: dict[str, Callable[[torch.Generator], tuple[dict, dict]]] = {
 }
 """A tiny configuration and an input of 2 clips (8 latent tokens, 4 text tokens) per class."""
 
-KNOWN = {
-    "LTX2VideoTransformer3DModel": (
-        "CRASH", "its audio-video cross-attention rotates the video queries by an embedding of the whole video, which "
-        "the plan does not cut (diffusers 0.42.1)",
-    ),
-}
+KNOWN: dict[str, tuple[str, str]] = {}
 """class -> (outcome, why): the classes whose plan is not exact as diffusers ships it; the strategy refuses them
 (not in ``context.VERIFIED``)."""
 
@@ -243,3 +238,15 @@ def test_every_diffusers_model_with_a_cp_plan_is_exact_or_refused_and_the_strate
     assert not failures
     exact = {n for n, o in outcomes.items() if o[0] == "EXACT"}
     assert exact == set(context.VERIFIED) & set(names), "context.VERIFIED must list exactly the classes exact here"
+
+
+def _ltx2_as_diffusers_plans_it() -> tuple[str, str, float, float]:
+    with mock.patch.object(context, "CUT_LIKE", {}):
+        return _sweep(["LTX2VideoTransformer3DModel"])["LTX2VideoTransformer3DModel"]
+
+
+def test_ltx2_needs_its_cross_attention_rotary_embedding_cut():
+    """LTX-2 with its own plan alone (no ``CUT_LIKE``): the cut video queries of its audio-video cross-attention meet
+    the rotary embedding of the whole video, an error the sweep above no longer sees."""
+    outcome, detail, _, _ = run_on_ranks(2, _ltx2_as_diffusers_plans_it)[0]
+    assert outcome == "CRASH" and "size" in detail, (outcome, detail)

@@ -36,7 +36,7 @@ from lightning_ndclip import _compat
 from lightning_ndclip.core.context.attention import context_parallel_attention, gather_sequence, shard_sequence
 from lightning_ndclip.core.parallel.tensor_parallel import matches_plan_key
 
-__all__ = ["VERIFIED", "context_parallelize"]
+__all__ = ["CUT_LIKE", "VERIFIED", "context_parallelize"]
 
 
 class _CutSequence:
@@ -111,11 +111,26 @@ class _CutSequence:
 
 VERIFIED = (
     "WanTransformer3DModel", "ChronoEditTransformer3DModel", "FluxTransformer2DModel", "Flux2Transformer2DModel",
-    "QwenImageTransformer2DModel", "LTXVideoTransformer3DModel",
+    "QwenImageTransformer2DModel", "LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel",
 )  # fmt: skip
-"""The model classes whose plans are tested exact against one device in float64 (``tests/test_diffusers_sweep.py``,
-``tests/test_diffusers_context.py``); others with a ``_cp_plan`` are refused until theirs is (LTX-2's audio-video
-cross-attention, whose rotary embedding its plan leaves whole; Helios, MiniMax H3 untested)."""
+"""The model classes whose plans (with :data:`CUT_LIKE`) are tested exact against one device in float64
+(``tests/test_diffusers_sweep.py``, ``tests/test_diffusers_context.py``); others with a ``_cp_plan`` are refused
+until theirs is (Helios, MiniMax H3 untested)."""
+
+CUT_LIKE = {"LTX2VideoTransformer3DModel": {"cross_attn_rope": "rope"}}
+"""class -> {module: module whose plan entry it takes}: outputs the class's own plan (diffusers 0.42.1) leaves whole
+where they meet the cut sequence. LTX-2's audio-video cross-attention rotates the video by ``cross_attn_rope``'s
+embedding of the whole video, so each rank's cut queries met every position's rotation (a shape error); cut as its
+``rope`` is, each rank rotates its own positions."""
+
+
+def _plan(model: nn.Module) -> dict[Any, Any]:
+    """``model``'s ``_cp_plan`` with the entries :data:`CUT_LIKE` adds for its class (or a class it derives from)."""
+    plan = _compat.diffusers_cp_plan(model)
+    for cls in type(model).__mro__:
+        for module, like in CUT_LIKE.get(cls.__name__, {}).items():
+            plan.setdefault(module, plan[like])
+    return plan
 
 
 def context_parallelize(model: nn.Module, cp: DeviceMesh) -> None:
@@ -128,7 +143,7 @@ def context_parallelize(model: nn.Module, cp: DeviceMesh) -> None:
             ``_parallel_config`` (it could not be routed to the ring).
     """
     name = type(model).__name__
-    plan = _compat.diffusers_cp_plan(model)
+    plan = _plan(model)
     if not plan:
         raise ValueError(
             f"cp > 1 with tp_plan='auto': {name} has no context-parallel plan (_cp_plan) in this diffusers release, so "
