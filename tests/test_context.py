@@ -4,6 +4,9 @@ test_context_trainer.py."""
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,7 +19,12 @@ from torch.distributed.fsdp import fully_shard
 
 import lightning_ndclip as nd
 from lightning_ndclip._compat import flatten_mesh
-from lightning_ndclip.core.context.attention import context_parallel_attention, shard_sequence
+from lightning_ndclip.core.context.attention import (
+    _GatherAlongDim,
+    context_parallel_attention,
+    gather_sequence,
+    shard_sequence,
+)
 from lightning_ndclip.core.loss import count_valid_tokens, sync_sample_weights, sync_token_count
 
 B, H, S, D = 2, 2, 12, 4
@@ -69,6 +77,43 @@ def _reference_mask(is_causal: bool, ids: torch.Tensor | None) -> torch.Tensor:
 )
 def test_attention_over_sharded_sequences_equals_full_attention(is_causal, packed, load_balance):
     assert max(run_on_ranks(2, _attention_case, is_causal, packed, load_balance)) < 1e-12
+
+
+def _residual_over_a_gather_case(in_place: bool) -> float:
+    """``x + gather(cut(x) @ w)`` twice over, each rank computing the loss on its whole result and counting it once
+    (``/ cp``), as diffusers plans that gather inside a block do (Helios): the gradients summed over the ranks against
+    one device's. ``in_place``: the gather's backward sums the incoming gradient in place, as it once did."""
+    g = torch.Generator().manual_seed(0)
+    x0, w0, probe = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((2, 8, 4), (4, 4), (2, 8, 4)))
+    rank, size = dist.get_rank(), dist.get_world_size()
+
+    def loss(x, w, cut, gather):
+        for _ in range(2):
+            x = x + gather(cut(x) @ w)  # AddBackward hands both summands the one gradient tensor
+        return (x * probe).sum()
+
+    x1, w1 = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    loss(x1, w1, lambda t: t, lambda t: t).backward()  # one device
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    patch = mock.patch.object(_GatherAlongDim, "backward", staticmethod(_summed_in_place)) if in_place else None
+    with patch or contextlib.nullcontext():
+        (loss(x, w, lambda t: shard_sequence(t, rank, size)[0], lambda t: gather_sequence(t, None, 1)) / size).backward()
+    errors = []
+    for grad, expected in ((x.grad, x1.grad), (w.grad, w1.grad)):
+        dist.all_reduce(grad)
+        errors.append(float((grad - expected).abs().max() / expected.abs().max()))
+    return max(errors)
+
+
+def _summed_in_place(ctx, grad):
+    grad = grad.contiguous()
+    dist.all_reduce(grad, group=ctx.group)
+    return grad.narrow(ctx.dim, dist.get_rank(ctx.group) * ctx.size, ctx.size), None, None
+
+
+def test_a_residual_over_a_gathered_sequence_gets_one_devices_gradient():
+    assert max(run_on_ranks(2, _residual_over_a_gather_case, False)) < 1e-12
+    assert min(run_on_ranks(2, _residual_over_a_gather_case, True)) > 0.5  # the in-place sum: counted twice
 
 
 def test_shard_sequence_balances_causal_work_and_checks_divisibility():

@@ -131,6 +131,16 @@ def _ltx2(g: torch.Generator) -> tuple[dict, dict]:
     return config, inputs
 
 
+def _helios(g: torch.Generator) -> tuple[dict, dict]:
+    config = dict(  # 40 blocks: its plan gathers after blocks.0 .. blocks.39's attention and feed-forward by name
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
+        freq_dim=16, ffn_dim=32, num_layers=40, rope_dim=(4, 2, 2), has_multi_term_memory_patch=False,
+    )  # fmt: skip
+    inputs = {"hidden_states": _randn(g, BATCH, 4, 2, 4, 4), "timestep": torch.rand(BATCH, generator=g) * 1000,
+              "encoder_hidden_states": _randn(g, BATCH, 5, 16)}  # fmt: skip
+    return config, inputs
+
+
 BUILDERS: dict[str, Callable[[torch.Generator], tuple[dict, dict]]] = {
     "WanTransformer3DModel": _wan,
     "ChronoEditTransformer3DModel": lambda g: _wan(g, "ChronoEditTransformer3DModel"),
@@ -139,6 +149,7 @@ BUILDERS: dict[str, Callable[[torch.Generator], tuple[dict, dict]]] = {
     "QwenImageTransformer2DModel": _qwen_image,
     "LTXVideoTransformer3DModel": _ltx,
     "LTX2VideoTransformer3DModel": _ltx2,
+    "HeliosTransformer3DModel": _helios,
 }
 """A tiny configuration and an input of 2 clips (8 latent tokens, 4 text tokens) per class."""
 

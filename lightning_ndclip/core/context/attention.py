@@ -83,7 +83,9 @@ def shard_sequence(
 
 class _GatherAlongDim(torch.autograd.Function):
     """All-gather along ``dim``; backward sums the full gradient over the group (an all-reduce,
-    available on every backend) and keeps this rank's slice. Equal-sized parts are assumed."""
+    available on every backend) and keeps this rank's slice. Equal-sized parts are assumed. The sum is taken on a
+    copy: autograd may hand the same gradient tensor to another branch (``x + gather(...)`` gives both summands the
+    one tensor), which an all-reduce in place would sum over the ranks too."""
 
     @staticmethod
     def forward(ctx, t: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
@@ -94,7 +96,7 @@ class _GatherAlongDim(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        grad = grad.contiguous()
+        grad = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad, group=ctx.group)
         start = dist.get_rank(ctx.group) * ctx.size
         return grad.narrow(ctx.dim, start, ctx.size), None, None

@@ -112,10 +112,11 @@ class _CutSequence:
 VERIFIED = (
     "WanTransformer3DModel", "ChronoEditTransformer3DModel", "FluxTransformer2DModel", "Flux2Transformer2DModel",
     "QwenImageTransformer2DModel", "LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel",
+    "HeliosTransformer3DModel",
 )  # fmt: skip
 """The model classes whose plans (with :data:`CUT_LIKE`) are tested exact against one device in float64
 (``tests/test_diffusers_sweep.py``, ``tests/test_diffusers_context.py``); others with a ``_cp_plan`` are refused
-until theirs is (Helios, MiniMax H3 untested)."""
+until theirs is (MiniMax H3 untested)."""
 
 CUT_LIKE = {"LTX2VideoTransformer3DModel": {"cross_attn_rope": "rope"}}
 """class -> {module: module whose plan entry it takes}: outputs the class's own plan (diffusers 0.42.1) leaves whole
