@@ -1,5 +1,5 @@
 """Context parallelism over every model class with a context-parallel plan (``_cp_plan``) in the installed
-``diffusers``: each, built tiny and random in float64, is cut on 2 ranks where its plan says (the integration's
+``diffusers``: each, built tiny and random in float64, is cut on 2 and on 4 ranks where its plan says (the integration's
 ``context_parallelize``, tried whether or not the strategy accepts the class yet), and its output and the gradients of
 ``(output * fixed random weights).sum()`` (counted once per cp rank: each rank holds the whole gathered output, so
 each rank's loss is divided by cp, and the gradients are summed over the ranks) are compared with the same model on
@@ -141,6 +141,24 @@ def _helios(g: torch.Generator) -> tuple[dict, dict]:
     return config, inputs
 
 
+def _minimax_h3(g: torch.Generator) -> tuple[dict, dict]:
+    config = dict(
+        num_attention_heads=2, attention_head_dim=12, hidden_size=24, num_layers=2, num_refiner_layers=1, ffn_dim=32,
+        in_channels=4, audio_in_channels=4, text_dim=16, freq_dim=16, time_embed_hidden_dim=16, time_embed_dim=16,
+        rope_freq_dim=2,
+    )  # fmt: skip
+    # one packed sequence of 16 rows: 4 text, 8 video (2 frames of 2 x 2 patches), 4 audio; two noise levels
+    grid = torch.stack(torch.meshgrid(*(torch.arange(2),) * 3, indexing="ij"), -1).reshape(-1, 3)
+    inputs = {
+        "hidden_states": _randn(g, BATCH, 8, 16), "audio_hidden_states": _randn(g, BATCH, 4, 4),
+        "encoder_hidden_states": _randn(g, BATCH, TEXT, 16), "timestep": torch.tensor([0.0, 0.7], dtype=torch.float64),
+        "timestep_indices": torch.tensor([0] * 4 + [1] * 12), "token_tags": torch.tensor([1] * 4 + [0] * 8 + [2] * 4),
+        "position_ids": torch.cat([torch.zeros(4, 3, dtype=torch.long), grid, torch.arange(4)[:, None].expand(4, 3)]),
+        "text_indices": torch.arange(0, 4), "video_indices": torch.arange(4, 12), "audio_indices": torch.arange(12, 16),
+    }  # fmt: skip
+    return config, inputs
+
+
 BUILDERS: dict[str, Callable[[torch.Generator], tuple[dict, dict]]] = {
     "WanTransformer3DModel": _wan,
     "ChronoEditTransformer3DModel": lambda g: _wan(g, "ChronoEditTransformer3DModel"),
@@ -150,6 +168,7 @@ BUILDERS: dict[str, Callable[[torch.Generator], tuple[dict, dict]]] = {
     "LTXVideoTransformer3DModel": _ltx,
     "LTX2VideoTransformer3DModel": _ltx2,
     "HeliosTransformer3DModel": _helios,
+    "MiniMaxH3Transformer3DModel": _minimax_h3,
 }
 """A tiny configuration and an input of 2 clips (8 latent tokens, 4 text tokens) per class."""
 
@@ -237,10 +256,11 @@ def _sweep(names: list[str]) -> dict[str, tuple[str, str, float, float]]:
         return {name: _one(name, cp) for name in names}
 
 
-def test_every_diffusers_model_with_a_cp_plan_is_exact_or_refused_and_the_strategy_accepts_the_exact_ones():
+@pytest.mark.parametrize("cp", [2, 4])
+def test_every_diffusers_model_with_a_cp_plan_is_exact_or_refused_and_the_strategy_accepts_the_exact_ones(cp):
     names = _classes()
     assert {"WanTransformer3DModel", "FluxTransformer2DModel", "LTXVideoTransformer3DModel"} <= set(names)
-    outcomes = run_on_ranks(2, _sweep, names, timeout=300)[0]
+    outcomes = run_on_ranks(cp, _sweep, names, timeout=300)[0]
     print()
     for name, (outcome, detail, error, tolerance) in sorted(outcomes.items(), key=lambda item: (item[1][0], item[0])):
         print(f"{outcome:9s} {name:32s} {error:9.2e} / {tolerance:.0e}  {detail[:160]}")

@@ -112,11 +112,11 @@ class _CutSequence:
 VERIFIED = (
     "WanTransformer3DModel", "ChronoEditTransformer3DModel", "FluxTransformer2DModel", "Flux2Transformer2DModel",
     "QwenImageTransformer2DModel", "LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel",
-    "HeliosTransformer3DModel",
+    "HeliosTransformer3DModel", "MiniMaxH3Transformer3DModel",
 )  # fmt: skip
 """The model classes whose plans (with :data:`CUT_LIKE`) are tested exact against one device in float64
-(``tests/test_diffusers_sweep.py``, ``tests/test_diffusers_context.py``); others with a ``_cp_plan`` are refused
-until theirs is (MiniMax H3 untested)."""
+(``tests/test_diffusers_sweep.py``, ``tests/test_diffusers_context.py``): every class with a ``_cp_plan`` in
+diffusers 0.42.1. A class a later release adds is refused until its plan is tested here."""
 
 CUT_LIKE = {"LTX2VideoTransformer3DModel": {"cross_attn_rope": "rope"}}
 """class -> {module: module whose plan entry it takes}: outputs the class's own plan (diffusers 0.42.1) leaves whole
