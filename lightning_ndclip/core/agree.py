@@ -17,14 +17,16 @@ runs under a mode that fails on any host read, to prove the steady-state step re
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["AgreedError", "call_hook", "host_reads_are_free", "raise_agreed", "reads_as_on_accelerators", "run_agreed"]
+__all__ = [
+    "AgreedError", "call_hook", "host_reads_are_free", "raise_agreed", "reads_as_on_accelerators", "run_agreed", "some",
+]  # fmt: skip
 
 T = TypeVar("T")
 _as_on_accelerators = False
@@ -111,3 +113,8 @@ def run_agreed(what: str, fn: Callable[[], T], *groups: dist.ProcessGroup | None
     if found:
         raise AgreedError(_message(found))
     return result  # type: ignore[return-value]
+
+
+def some(names: Sequence[str]) -> str:
+    """The first five of ``names`` and how many more: the names an error lists."""
+    return f"{list(names[:5])}" + (f" (+{len(names) - 5})" if len(names) > 5 else "")

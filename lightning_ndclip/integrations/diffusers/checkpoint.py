@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_ndclip.core.agree import run_agreed
+from lightning_ndclip.core.agree import run_agreed, some
 from lightning_ndclip.core.parallel.plan import own_class_name
 from lightning_ndclip.core.parallel.tensor_parallel import to_empty_keeping_ties
 
@@ -71,11 +71,11 @@ def load_diffusers_checkpoint(
         unexpected = [k for k in stored if k not in state]
         wrong = [f"{n}: checkpoint {tuple(stored[n].size)}, model {tuple(t.shape)}" for n, t in state.items()
                  if n in stored and tuple(stored[n].size) != tuple(t.shape)]  # fmt: skip
-        problems = [f"shapes differ: {wrong[:5]}"] if wrong else []
+        problems = [f"shapes differ: {some(wrong)}"] if wrong else []
         if strict and missing:
-            problems.append(f"missing from the checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+            problems.append(f"missing from the checkpoint: {some(missing)}")
         if strict and unexpected:
-            problems.append(f"in the checkpoint, not in {name}: {unexpected[:5]}")
+            problems.append(f"in the checkpoint, not in {name}: {some(unexpected)}")
         if problems:
             raise ValueError(f"load_diffusers_checkpoint: {directory} does not fit {name}: " + "; ".join(problems))
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):

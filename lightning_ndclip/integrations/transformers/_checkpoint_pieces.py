@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import Placement
 
 from lightning_ndclip import _compat
+from lightning_ndclip.core.agree import some
 
 Index = tuple[int | slice, ...]
 """Where a stored tensor sits in a model tensor: an int on a dim the stored tensor lacks (the expert of a stack), a
@@ -58,11 +59,6 @@ class Piece:
 def whole(name: str, shape: Sequence[int]) -> Piece:
     """A tensor stored as the model holds it, under ``name``."""
     return Piece(name, tuple(slice(0, n) for n in shape))
-
-
-def some(names: Sequence[str]) -> str:
-    """The first five of ``names``, and how many more."""
-    return f"{list(names[:5])}" + (f" (+{len(names) - 5})" if len(names) > 5 else "")
 
 
 # --- transformers' rules --------------------------------------------------------------------------------------------

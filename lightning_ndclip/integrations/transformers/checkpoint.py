@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_ndclip import _compat
-from lightning_ndclip.core.agree import run_agreed
+from lightning_ndclip.core.agree import run_agreed, some
 from lightning_ndclip.core.parallel.plan import own_class_name
 from lightning_ndclip.core.parallel.tensor_parallel import to_empty_keeping_ties
 from lightning_ndclip.integrations.transformers._checkpoint_pieces import (
@@ -50,7 +50,6 @@ from lightning_ndclip.integrations.transformers._checkpoint_pieces import (
     holds_a_box,
     hub_pieces,
     read_pieces,
-    some,
     stored_files,
     whole,
 )
