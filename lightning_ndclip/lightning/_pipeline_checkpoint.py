@@ -33,7 +33,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-__all__ = ["CheckpointRead", "StageNames", "load_distributed_checkpoint", "read_plan"]
+from lightning_ndclip import _compat
+
+__all__ = ["CheckpointRead", "PipelineLayout", "StageNames", "load_distributed_checkpoint", "read_plan"]
 
 _OPTIMIZER_PARTS = ("state.", "param_groups.")
 """The two kinds of keys of a flattened optimizer state: ``<part><parameter name>.<key>``."""
@@ -65,6 +67,67 @@ class StageNames:
     def partners(self, name: str) -> list[str]:
         """The other unsplit names of ``name``'s tie (none when it is not tied)."""
         return [other for tie in self.ties if name in tie for other in tie if other != name]
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """A run's pipeline layout, as its checkpoints record it (in Lightning's ``meta.pt``, under :data:`KEY`), and how
+    its tensors are named there: ``names`` maps this rank's names to the unsplit model's (stages the strategy cut, or
+    ``pp = 1``: any such layout resumes from the checkpoint), ``None`` for stages built in configure_model, which keep
+    their own names (only the same layout resumes)."""
+
+    pp: int
+    stages_per_rank: int
+    split_points: tuple[str, ...]
+    names: StageNames | None
+
+    KEY = "lightning_ndclip_pipeline"
+
+    def record(self) -> dict[str, Any]:
+        """What a checkpoint stores under :data:`KEY`."""
+        if self.pp == 1:
+            return {"pp": 1}
+        return {
+            "pp": self.pp, "stages_per_rank": self.stages_per_rank, "split_points": list(self.split_points),
+            "names": "unsplit" if self.names is not None else "stages",
+        }  # fmt: skip
+
+    def stamped(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """``checkpoint`` with this layout recorded, its tensors under the unsplit names where stages were cut."""
+        checkpoint = {**checkpoint, self.KEY: self.record()}
+        if self.names is not None and self.pp > 1:
+            checkpoint["state_dict"] = self.names.model_state(checkpoint["state_dict"])
+            checkpoint["optimizer_states"] = [self.names.optimizer_state(s) for s in checkpoint.get("optimizer_states", [])]
+        return checkpoint
+
+    def names_in(self, path: Path, weights_only: bool | None) -> StageNames | None:
+        """How to read the distributed checkpoint at ``path``: ``None`` for Lightning's own loading (saved and
+        resumed with ``pp = 1``), else the names of this rank's tensors in it (the same on every rank: they read the
+        same file). A checkpoint saved before names were unsplit (``names`` absent) or by stages built in
+        configure_model resumes on the same layout only.
+
+        Raises:
+            ValueError: naming both layouts, where this run cannot find its tensors in the checkpoint."""
+        meta = path / _compat.metadata_filename()
+        saved = torch.load(meta, weights_only=weights_only).get(self.KEY) if meta.is_file() else None
+        saved, here = saved or {"pp": 1}, self.record()
+        if saved["pp"] == 1 and here["pp"] == 1:
+            return None
+        if (saved["pp"] == 1 or saved.get("names") == "unsplit") and self.names is not None:
+            return self.names
+        if saved["pp"] > 1 and saved.get("names") != "unsplit" and _without_names(saved) == _without_names(here):
+            return StageNames()  # the same stages, under this rank's own names
+        raise ValueError(
+            f"the checkpoint {str(path)!r} was saved with the pipeline layout {saved} and this run has {here}: "
+            "stages built in configure_model (and checkpoints of lightning_ndclip 0.1.0 with pp > 1) save each "
+            "stage's tensors under that stage's own names. Resume with the same pp, stages_per_rank and "
+            "split_points (dp_replicate, dp_shard, cp and tp may change), or let the strategy cut the stages "
+            "(PipelineOptions(module=...)): those checkpoints resume on any pipeline layout"
+        )
+
+
+def _without_names(layout: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in layout.items() if k != "names"}
 
 
 def _parts(key: str) -> tuple[str, str, str]:

@@ -10,7 +10,6 @@ from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -57,14 +56,16 @@ from lightning_ndclip.lightning._checkpoint import (
     save_distributed_checkpoint_atomically,
 )
 from lightning_ndclip.lightning._pipeline import PipelineRunner
-from lightning_ndclip.lightning._pipeline_checkpoint import StageNames, load_distributed_checkpoint, read_plan
+from lightning_ndclip.lightning._pipeline_checkpoint import (
+    PipelineLayout,
+    StageNames,
+    load_distributed_checkpoint,
+    read_plan,
+)
 from lightning_ndclip.lightning._windows import LossWindows, as_count, as_sample_ids
 from lightning_ndclip.lightning.metrics import GlobalMeanLoss
 
 __all__ = ["NDParallelStrategy"]
-
-_PIPELINE_KEY = "lightning_ndclip_pipeline"
-"""The key of a distributed checkpoint's pipeline layout in Lightning's ``meta.pt``."""
 
 _SIZES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 _ACCEPTED = (*_SIZES, "data_parallel_size", "tensor_parallel_size", *inspect.signature(ModelParallelStrategy).parameters)
@@ -1010,60 +1011,14 @@ class NDParallelStrategy(ModelParallelStrategy):
             save = partial(super().save_checkpoint, checkpoint, path) if self.global_rank == 0 else partial(self.broadcast, path)
             run_agreed(f"saving the full checkpoint {str(path)!r}", save)
             return None
-        checkpoint = {**checkpoint, _PIPELINE_KEY: self._pipeline_layout()}
-        names = self._stage_names()
-        if names is not None and self._dims is not None and self._dims.pp > 1:  # stored under the unsplit names
-            checkpoint["state_dict"] = names.model_state(checkpoint["state_dict"])
-            checkpoint["optimizer_states"] = [names.optimizer_state(s) for s in checkpoint.get("optimizer_states", [])]
-        save_distributed_checkpoint_atomically(self, checkpoint, path)
+        save_distributed_checkpoint_atomically(self, self._pipeline_layout().stamped(checkpoint), path)
         return None
 
-    def _stage_names(self) -> StageNames | None:
-        """How this rank's names map to the unsplit model's; ``None`` for stages built in configure_model."""
-        if self._pipeline is None:
-            return StageNames()
-        return self._pipeline.stage_names(self._module)
-
-    def _pipeline_layout(self) -> dict[str, Any]:
-        """The pipeline layout a checkpoint is saved with, and how it names tensors: ``"unsplit"``, the whole
-        model's names (``pp = 1``, or stages the strategy cut: any such layout resumes from it), or
-        ``"stages"`` (stages built in configure_model: only the same layout resumes)."""
+    def _pipeline_layout(self) -> PipelineLayout:
+        """This run's pipeline layout, as its checkpoints record it."""
         pp = self._dims.pp if self._dims is not None else 1
-        if pp == 1:
-            return {"pp": 1}
-        names = "unsplit" if self._stage_names() is not None else "stages"
-        return {
-            "pp": pp, "stages_per_rank": self._pp.stages_per_rank, "split_points": list(self._pp.split_points or []),
-            "names": names,
-        }  # fmt: skip
-
-    def _checkpoint_names(self, path: Path, weights_only: bool | None) -> StageNames | None:
-        """How to read the distributed checkpoint at ``path``: ``None`` for Lightning's own loading (saved and
-        resumed with ``pp = 1``), else the names of this rank's tensors in it (the same on every rank: they read
-        the same file). A checkpoint saved before names were unsplit (``names`` absent) or by stages built in
-        configure_model resumes on the same layout only.
-
-        Raises:
-            ValueError: naming both layouts, where this run cannot find its tensors in the checkpoint."""
-        meta = path / _compat.metadata_filename()
-        saved = torch.load(meta, weights_only=weights_only).get(_PIPELINE_KEY) if meta.is_file() else None
-        saved = saved or {"pp": 1}
-        here = self._pipeline_layout()
-        if saved["pp"] == 1 and here["pp"] == 1:
-            return None
-        if saved["pp"] == 1 or saved.get("names") == "unsplit":
-            names = self._stage_names()
-            if names is not None:
-                return names
-        elif {k: v for k, v in saved.items() if k != "names"} == {k: v for k, v in here.items() if k != "names"}:
-            return StageNames()  # the same stages, under this rank's own names
-        raise ValueError(
-            f"the checkpoint {str(path)!r} was saved with the pipeline layout {saved} and this run has {here}: "
-            "stages built in configure_model (and checkpoints of lightning_ndclip 0.1.0 with pp > 1) save each "
-            "stage's tensors under that stage's own names. Resume with the same pp, stages_per_rank and "
-            "split_points (dp_replicate, dp_shard, cp and tp may change), or let the strategy cut the stages "
-            "(PipelineOptions(module=...)): those checkpoints resume on any pipeline layout"
-        )
+        names = StageNames() if self._pipeline is None else self._pipeline.stage_names(self._module)
+        return PipelineLayout(pp, self._pp.stages_per_rank, tuple(self._pp.split_points or ()), names)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -1076,7 +1031,8 @@ class NDParallelStrategy(ModelParallelStrategy):
         configure_model on another pipeline layout."""
         path = file_system_path(self.broadcast(checkpoint_path))
         refuse_incomplete_checkpoint(self, path)
-        names = run_agreed(f"checking the pipeline layout of {str(path)!r}", partial(self._checkpoint_names, path, weights_only))
+        names_in = partial(self._pipeline_layout().names_in, path, weights_only)
+        names = run_agreed(f"checking the pipeline layout of {str(path)!r}", names_in)
         if names is None:
             return super().load_checkpoint(path, weights_only=weights_only)
         if not path.is_dir():
