@@ -35,10 +35,10 @@ from typing_extensions import override
 
 from lightning_ndclip import _compat
 from lightning_ndclip.core import libraries
-from lightning_ndclip.core.agree import call_hook, run_agreed
+from lightning_ndclip.core.agree import run_agreed
 from lightning_ndclip.core.context import work as context_work
 from lightning_ndclip.core.load_balance import LOAD_BALANCING_KEY, window_share
-from lightning_ndclip.core.loss import MicroBatchShare, local_loss_sum, loss_share, sync_sample_weights
+from lightning_ndclip.core.loss import MicroBatchShare
 from lightning_ndclip.core.parallel.coverage import check_data_parallel_reduction
 from lightning_ndclip.core.parallel.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError, check_sizes
 from lightning_ndclip.core.parallel.plan import ParallelPlan, check_plan_sizes, shared_parameters
@@ -55,6 +55,7 @@ from lightning_ndclip.lightning._checkpoint import (
     refuse_incomplete_checkpoint,
     save_distributed_checkpoint_atomically,
 )
+from lightning_ndclip.lightning._logged_losses import LoggedLosses
 from lightning_ndclip.lightning._pipeline import PipelineRunner
 from lightning_ndclip.lightning._pipeline_checkpoint import (
     PipelineLayout,
@@ -62,8 +63,7 @@ from lightning_ndclip.lightning._pipeline_checkpoint import (
     load_distributed_checkpoint,
     read_plan,
 )
-from lightning_ndclip.lightning._windows import LossWindows, as_count, as_sample_ids
-from lightning_ndclip.lightning.metrics import GlobalMeanLoss
+from lightning_ndclip.lightning._windows import LossWindows
 
 __all__ = ["NDParallelStrategy"]
 
@@ -312,8 +312,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._sizes = sizes
         self._loss_normalization = loss_normalization
         self._loss_reduction = loss_reduction
-        self._log_loss = log_loss
-        self._log_eval_loss = log_eval_loss
+        self._logged = LoggedLosses(log_loss, log_eval_loss, loss_normalization, loss_reduction)
         self._sum_reduction = sum_reduction or loss_normalization is not None
         self._find_unused_parameters = find_unused_parameters
         self._init_sync = init_sync
@@ -321,9 +320,6 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._hf_checkpoint = hf_checkpoint
         self._microbatches = self._pp.microbatches or pp * self._pp.stages_per_rank
         # set as training runs
-        self._eval_losses: dict[str, GlobalMeanLoss] = {}
-        self._own_logs: set[str] = set()  # "hook.name" the strategy has logged
-        self._window_loss: torch.Tensor | None = None
         self._counts_told = not summary
         self._pipeline: PipelineRunner | None = None
         self._windows: LossWindows | None = None
@@ -746,7 +742,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             return self._refuse_load_balancing(output)
         k = self._module.trainer.accumulate_grad_batches
         output = self._normalized(output, share, k, own_losses)
-        self._log_window_loss(output, k, share.ends_window)
+        self._logged.add_window_share(self._module, self.meshes["dp_cp"].get_group(), output, k, share.ends_window)
         if share.ends_window:  # the next window's counts: their all-reduce overlaps this backward and optimizer step
             self._windows.read_next_window()
         return output
@@ -846,7 +842,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             if share.ends_window:
                 pipeline.window_complete()
         if self._windows is not None:
-            self._log_window_loss(output, 1, share.ends_window)
+            self._logged.add_window_share(self._module, self.meshes["dp_cp"].get_group(), output, 1, share.ends_window)
             if share.ends_window:
                 self._windows.read_next_window()
         return output
@@ -888,35 +884,6 @@ class NDParallelStrategy(ModelParallelStrategy):
             )
         return output
 
-    def _log_window_loss(self, output: Any, k: int, last: bool) -> None:
-        """Add this micro-batch's share to the window's loss; at the window's end, sum the shares over
-        the loss dims (one scalar all-reduce) and log the exact global mean as ``log_loss``."""
-        if self._log_loss is None:
-            return
-        loss = output["loss"] if isinstance(output, Mapping) else output
-        share = loss.detach().to(torch.float64) / k
-        self._window_loss = share if self._window_loss is None else self._window_loss + share
-        if not last:
-            return
-        total, self._window_loss = self._window_loss, None
-        group = self.meshes["dp_cp"].get_group()
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(total, group=group)
-        self._log_exact("training_step", self._log_loss, total, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
-
-    def _log_exact(self, hook: str, name: str, value: Any, **options: Any) -> None:
-        """``self.log`` one of the strategy's exact means, refusing a name the module's ``hook`` logged too
-        (checked before the strategy first logs it: Lightning keeps a name's entry once logged)."""
-        if f"{hook}.{name}" not in self._own_logs and _compat.logged_in_this_hook(self._module.trainer, hook, name):
-            switch = "log_loss=None or another name" if hook == "training_step" else "log_eval_loss=False"
-            raise ValueError(
-                f"{hook} logs {name!r}, and NDParallelStrategy(loss_normalization={self._loss_normalization!r}) logs "
-                f"the exact global mean under that name: rename yours, or pass NDParallelStrategy({switch}). Your "
-                "own per-rank means, averaged over ranks, change with the mesh when token counts differ"
-            )
-        self._module.log(name, value, **options)
-        self._own_logs.add(f"{hook}.{name}")
-
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         output, own_losses = self._run_step(super().validation_step, args, kwargs)
@@ -935,45 +902,9 @@ class NDParallelStrategy(ModelParallelStrategy):
         return output
 
     def _log_eval_loss_of(self, hook: str, name: str, output: Any, batch: Any, own_losses: list[torch.Tensor]) -> None:
-        """Add this step's loss, weighted as in training, to the epoch's exact global mean and log it
-        (``GlobalMeanLoss`` over the loss dims, computed when the epoch ends)."""
         loss = output.get("loss") if isinstance(output, Mapping) else output
-        if not (self._log_eval_loss and self._loss_normalization and isinstance(loss, torch.Tensor)):
-            return
-        if self.parallel_dims.pp > 1:  # run_pipeline's evaluation loss: the sum of the batch's per-token losses
-            if self._loss_normalization != "token_mean" or self.parallel_dims.cp > 1:
-                return
-            module: Any = self._module
-            weighted = loss.detach(), as_count(module.count_tokens(batch), self.root_device)
-        else:
-            weighted = self._weighted(hook, loss.detach(), batch, own=any(loss is own for own in own_losses))
-        metric = self._eval_losses.get(name)
-        if metric is None:
-            group = self.meshes["dp_cp"].get_group()
-            metric = self._eval_losses[name] = GlobalMeanLoss(process_group=group).to(self.root_device)
-        metric.update(*weighted)
-        self._log_exact(hook, name, metric, on_step=False, on_epoch=True, metric_attribute=name)
-
-    def _weighted(self, hook: str, loss: torch.Tensor, batch: Any, own: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(sum of this rank's weighted losses, its weight)`` for the epoch's exact global mean; ``own``: the loss is
-        a ``transformers`` model's own, under cp its part of the batch's mean."""
-        module: Any = self._module
-        cp, device = self.meshes["cp"], self.root_device
-        if self._loss_normalization == "sample_mean":  # the hook's failure rides in the weights' all-reduces
-            hook_call, check = partial(module.sample_ids, batch), partial(as_sample_ids, device=device)
-            described, problem = call_hook("sample_ids(batch)", hook_call, check)
-            ids, num_samples, valid = described or (torch.zeros(0, dtype=torch.int64, device=device), 0, None)
-            weights = sync_sample_weights(
-                [ids], [num_samples], None if valid is None else [valid],
-                cp_group=cp.get_group(), dp_group=self.meshes["dp"].get_group(), problem=problem,
-            )  # fmt: skip
-            # the sum over this rank's samples of their token means: the share of the batch's mean, times B
-            return loss_share(loss, weights.weights[0], source=hook) * weights.num_samples, weights.local_samples
-        count = as_count(module.count_tokens(batch), device)
-        # count_tokens counts the raw batch: under cp a mean over this rank's shard cannot be weighted by it
-        local = None if cp.size() > 1 and not own else count
-        value = local_loss_sum(loss, local_tokens=local, reduction=self._loss_reduction, source=hook)
-        return value, count if cp.get_local_rank() == 0 else torch.zeros_like(count)
+        own = any(loss is o for o in own_losses)
+        self._logged.add_eval(self._module, hook, name, output, batch, own=own, meshes=self.meshes, device=self.root_device)
 
     def _optimizer_options(self) -> StateDictOptions:
         # flattened keys (one per parameter): pipeline stages hold different parameters, and a single
