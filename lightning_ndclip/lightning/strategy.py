@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import inspect
 import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -41,7 +39,7 @@ from lightning_ndclip.core.load_balance import LOAD_BALANCING_KEY, window_share
 from lightning_ndclip.core.loss import MicroBatchShare
 from lightning_ndclip.core.parallel.coverage import check_data_parallel_reduction
 from lightning_ndclip.core.parallel.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError, check_sizes
-from lightning_ndclip.core.parallel.plan import ParallelPlan, check_plan_sizes, shared_parameters
+from lightning_ndclip.core.parallel.plan import ParallelPlan, shared_parameters
 from lightning_ndclip.core.parallel.reduce import use_sum_reduction
 from lightning_ndclip.core.parallel.replicas import broadcast_replicas_, check_peers_fed_alike, check_replica_gradients
 from lightning_ndclip.core.parallel.split_activations import watch_split_activations
@@ -50,6 +48,13 @@ from lightning_ndclip.core.parallel.tensor_parallel import check_ties, tied_para
 from lightning_ndclip.core.parallel.unused import UnusedParameters, UnusedParametersCheck
 from lightning_ndclip.core.pipeline import PipelineOptions
 from lightning_ndclip.core.random import RandomStreams, fork_forward
+from lightning_ndclip.lightning._arguments import (
+    check_choice,
+    check_plan_and_pipeline,
+    lightning_sizes,
+    refuse_unexpected,
+    resolve_sizes,
+)
 from lightning_ndclip.lightning._checkpoint import (
     file_system_path,
     refuse_incomplete_checkpoint,
@@ -66,97 +71,6 @@ from lightning_ndclip.lightning._pipeline_checkpoint import (
 from lightning_ndclip.lightning._windows import LossWindows
 
 __all__ = ["NDParallelStrategy"]
-
-_SIZES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
-_ACCEPTED = (*_SIZES, "data_parallel_size", "tensor_parallel_size", *inspect.signature(ModelParallelStrategy).parameters)
-
-LightningSize = int | Literal["auto"]
-
-_MOVED = {  # 0.1.0's keywords, now in the plan and pipeline objects
-    **{name: f"plan=ParallelPlan({name}=...)" for name in ("tp_plan", "fsdp_units", "activation_checkpointing", "mp_policy")},
-    **{f"pp_{name}": f"pipeline=PipelineOptions({name}=...)" for name in (f.name for f in dataclasses.fields(PipelineOptions))},
-}
-
-
-def _lightning_sizes(
-    data_parallel_size: LightningSize | None, tensor_parallel_size: LightningSize | None, sizes: dict[str, int]
-) -> tuple[LightningSize, LightningSize] | None:
-    """``ModelParallelStrategy``'s two sizes, checked, when either is given (the other defaults to
-    ``"auto"``, as there); ``None`` when neither is."""
-    if data_parallel_size is None and tensor_parallel_size is None:
-        return None
-    given = {"data_parallel_size": data_parallel_size, "tensor_parallel_size": tensor_parallel_size}
-    for name, value in given.items():
-        if value is not None and value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{name} must be a positive int or 'auto' (Lightning's meaning), got {value!r}")
-    clashes = [f"{ours}={sizes[ours]}" for ours, default in (("dp_replicate", 1), ("dp_shard", -1)) if sizes[ours] != default]
-    if data_parallel_size is not None and clashes:
-        raise TypeError(f"give data_parallel_size (Lightning's name for dp_shard) or {' / '.join(clashes)}, not both")
-    if tensor_parallel_size is not None and sizes["tp"] != 1:
-        raise TypeError(f"give tensor_parallel_size (Lightning's name for tp) or tp={sizes['tp']}, not both")
-    return data_parallel_size or "auto", tensor_parallel_size or "auto"
-
-
-def _resolve_sizes(
-    sizes: dict[str, int],
-    lightning: tuple[LightningSize, LightningSize] | None,
-    num_nodes: int,
-    devices_per_node: int,
-) -> dict[str, int]:
-    """The N-D sizes, with Lightning's two mapped onto ``dp_shard`` and ``tp``: ``"auto"`` is the number
-    of nodes for data parallel and the devices per node for tensor parallel, as in ``ModelParallelStrategy``."""
-    if lightning is None:
-        return dict(sizes)
-    data, tensor = lightning
-    return {
-        **sizes,
-        "dp_shard": num_nodes if data == "auto" else data,
-        "tp": devices_per_node if tensor == "auto" else tensor,
-    }
-
-
-def _refuse_unexpected(unexpected: dict[str, Any]) -> None:
-    """A keyword ``NDParallelStrategy`` does not take: where 0.1.0's went, or the closest accepted one."""
-    if not unexpected:
-        return
-    name = next(iter(unexpected))
-    if name in _MOVED:
-        raise TypeError(f"NDParallelStrategy({name}=...) is now {_MOVED[name]}")
-    close = difflib.get_close_matches(name, _ACCEPTED, n=1)
-    raise TypeError(
-        f"NDParallelStrategy got an unexpected keyword argument {name!r}"
-        + (f"; did you mean {close[0]!r}?" if close else "")
-        + f" Sizes: {', '.join(_SIZES)} (or Lightning's data_parallel_size / tensor_parallel_size)"
-    )
-
-
-def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be {' or '.join(repr(c) for c in choices)}, got {value!r}")
-
-
-def _check_plan_and_pipeline(
-    plan: ParallelPlan,
-    pipeline: PipelineOptions,
-    sizes: dict[str, int],
-) -> None:
-    """The arguments that must agree with the sizes: a tp plan needs tp > 1 (:func:`check_plan_sizes`); the
-    split points make ``pp x stages_per_rank`` stages; ``transformers`` models are cut along the sequence outside a
-    pipeline."""
-    tp, pp, ep, cp = sizes["tp"], sizes["pp"], sizes["ep"], sizes["cp"]
-    check_plan_sizes(plan.tp_plan, tp, ep, cp)
-    if plan.tp_plan == "auto" and cp > 1 and pp > 1:
-        raise ValueError(
-            "NDParallelStrategy(cp > 1, pp > 1) with tp_plan='auto': transformers models are cut along the sequence "
-            "only outside a pipeline so far; use cp or pp"
-        )
-    stages = pp * pipeline.stages_per_rank
-    if pp > 1 and pipeline.split_points and len(pipeline.split_points) != stages - 1:
-        raise ValueError(
-            f"pp={pp} x stages_per_rank={pipeline.stages_per_rank} = {stages} stages need {stages - 1} "
-            f"PipelineOptions(split_points), got {list(pipeline.split_points)}"
-        )
-
 
 _NORMALIZATION_HOOKS = {
     "token_mean": "count_tokens(batch) -> Tensor, the number of valid tokens in a raw batch",
@@ -289,16 +203,16 @@ class NDParallelStrategy(ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **unexpected: Any,
     ) -> None:
-        _refuse_unexpected(unexpected)
+        refuse_unexpected(unexpected)
         sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
-        self._lightning_sizes = _lightning_sizes(data_parallel_size, tensor_parallel_size, sizes)
+        self._lightning_sizes = lightning_sizes(data_parallel_size, tensor_parallel_size, sizes)
         # "auto" sizes are unknown until the processes start: data parallel as dp_shard=-1, tensor as 1
-        check_sizes(**_resolve_sizes(sizes, self._lightning_sizes, num_nodes=-1, devices_per_node=1))
-        _check_choice("loss_normalization", loss_normalization, (None, "token_mean", "sample_mean"))
-        _check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
+        check_sizes(**resolve_sizes(sizes, self._lightning_sizes, num_nodes=-1, devices_per_node=1))
+        check_choice("loss_normalization", loss_normalization, (None, "token_mean", "sample_mean"))
+        check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
         self._plan = plan or ParallelPlan()
         self._pp = pipeline or PipelineOptions()
-        _check_plan_and_pipeline(self._plan, self._pp, sizes)
+        check_plan_and_pipeline(self._plan, self._pp, sizes)
         if find_unused_parameters and pp > 1:
             raise ValueError(
                 "NDParallelStrategy(find_unused_parameters=True, pp > 1): the pipeline schedule runs backward inside "
@@ -391,7 +305,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         if self.accelerator is not None:
             self.accelerator.setup_device(self.root_device)
         world_size = self.num_nodes * self.num_processes  # what _setup_distributed gives the cluster environment
-        sizes = _resolve_sizes(self._sizes, self._lightning_sizes, self.num_nodes, self.num_processes)
+        sizes = resolve_sizes(self._sizes, self._lightning_sizes, self.num_nodes, self.num_processes)
         product = sizes["dp_shard"] * sizes["tp"] * sizes["cp"] * sizes["pp"]
         if self._lightning_sizes is not None and product != world_size:
             raise _SizeMismatchError(
