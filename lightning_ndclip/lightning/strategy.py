@@ -34,15 +34,13 @@ from typing_extensions import override
 from lightning_ndclip import _compat
 from lightning_ndclip.core import libraries
 from lightning_ndclip.core.agree import run_agreed
-from lightning_ndclip.core.context import work as context_work
 from lightning_ndclip.core.load_balance import LOAD_BALANCING_KEY, window_share
 from lightning_ndclip.core.loss import MicroBatchShare
 from lightning_ndclip.core.parallel.coverage import check_data_parallel_reduction
 from lightning_ndclip.core.parallel.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError, check_sizes
 from lightning_ndclip.core.parallel.plan import ParallelPlan, shared_parameters
 from lightning_ndclip.core.parallel.reduce import use_sum_reduction
-from lightning_ndclip.core.parallel.replicas import broadcast_replicas_, check_peers_fed_alike, check_replica_gradients
-from lightning_ndclip.core.parallel.split_activations import watch_split_activations
+from lightning_ndclip.core.parallel.replicas import broadcast_replicas_
 from lightning_ndclip.core.parallel.summary import ParallelSummary, summarize
 from lightning_ndclip.core.parallel.tensor_parallel import check_ties, tied_parameters
 from lightning_ndclip.core.parallel.unused import UnusedParameters, UnusedParametersCheck
@@ -60,6 +58,7 @@ from lightning_ndclip.lightning._checkpoint import (
     refuse_incomplete_checkpoint,
     save_distributed_checkpoint_atomically,
 )
+from lightning_ndclip.lightning._first_step import FirstStepChecks
 from lightning_ndclip.lightning._logged_losses import LoggedLosses
 from lightning_ndclip.lightning._pipeline import PipelineRunner
 from lightning_ndclip.lightning._pipeline_checkpoint import (
@@ -240,11 +239,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._dims: ParallelDims | None = None
         self._meshes: ParallelMeshes | None = None
         self._ties: list[tuple[str, ...]] = []
-        self._replica_gradients_checked = False
-        self._first_forward_watched = False
-        self._batches_checked = False
-        self._cp_work_checked = False
-        self._streams_checked = False
+        self._first_step = FirstStepChecks()
         self._unused: UnusedParameters | UnusedParametersCheck | None = None
         self._gradient_sync = True
         self._random_streams: RandomStreams | None = None
@@ -381,15 +376,9 @@ class NDParallelStrategy(ModelParallelStrategy):
         """As Lightning's; at the first step of a run with ``tp > 1``, once the window's gradients exist and
         before any callback sees them, checks that parameters the tensor-parallel ranks hold as copies got
         the same gradient on each (:func:`~lightning_ndclip.core.parallel.replicas.check_replica_gradients`)."""
-        if not self._replica_gradients_checked and self._dims is not None and self._dims.tp > 1:
-            self._replica_gradients_checked = True
-            closure = partial(self._checked_closure, closure)
+        if self._dims is not None:
+            closure = self._first_step.closure(closure, self._wrapped_model, self.meshes["tp"])
         return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-    def _checked_closure(self, closure: Callable[[], Any]) -> Any:
-        output = closure()
-        check_replica_gradients(self._wrapped_model, self.meshes["tp"])
-        return output
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -632,26 +621,18 @@ class NDParallelStrategy(ModelParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Runs ``training_step`` with FSDP2 reducing only on the last micro-batch of an accumulation
         window and, with ``loss_normalization``, scales its loss to its share of the global mean."""
-        if not self._batches_checked:  # tp, cp and pipeline peers must see one batch
-            self._batches_checked = True
-            check_peers_fed_alike(args[0] if args else kwargs.get("batch"), self.meshes.world)
+        self._first_step.check_batch(args[0] if args else kwargs.get("batch"), self.meshes.world)
         share = self._micro_batch_share()
         self._set_gradient_sync(share.ends_window or (self._unused is not None and self._unused.reduces_every_backward))
-        watch_cp = not self._cp_work_checked and self.parallel_dims.cp > 1
-        self._cp_work_checked = True
+        watching = partial(
+            self._first_step.watching, self._wrapped_model, self.meshes, streams=self._random_streams,
+            module_name=type(self._module).__name__, device=self.root_device,
+        )  # fmt: skip
         if self._pipeline is not None:
-            with context_work.watch() if watch_cp else nullcontext() as seen:
-                output = self._refuse_load_balancing(self._pipelined_step(share, *args, **kwargs))
-            self._check_context_parallel_work(seen)
-            self._check_random_streams()
-            return output
-        watch = not self._first_forward_watched and self.parallel_dims.tp > 1
-        self._first_forward_watched = True
-        with watch_split_activations(self._wrapped_model, self.meshes["tp"]) if watch else nullcontext():
-            with context_work.watch() if watch_cp else nullcontext() as seen:
-                output, own_losses = self._run_step(super().training_step, args, kwargs)
-        self._check_context_parallel_work(seen)
-        self._check_random_streams()
+            with watching(watch_forward=False):
+                return self._refuse_load_balancing(self._pipelined_step(share, *args, **kwargs))
+        with watching(watch_forward=True):
+            output, own_losses = self._run_step(super().training_step, args, kwargs)
         if self._windows is None:  # Lightning's mean of micro-batch means: Lightning divides by k itself
             return self._refuse_load_balancing(output)
         k = self._module.trainer.accumulate_grad_batches
@@ -660,33 +641,6 @@ class NDParallelStrategy(ModelParallelStrategy):
         if share.ends_window:  # the next window's counts: their all-reduce overlaps this backward and optimizer step
             self._windows.read_next_window()
         return output
-
-    def _check_context_parallel_work(self, seen: context_work.WorkSeen | None) -> None:
-        """After the first training step under ``cp > 1`` (``seen``, else ``None``): refuse it, on every rank, where
-        it cut no sequence along cp and ran no context-parallel attention on any rank: every cp rank then computed the
-        whole sequence, context parallelism a silent no-op. One all-reduce of a flag, once."""
-        if seen is None:
-            return
-        idle = torch.tensor([0 if seen.count else 1], device=self.root_device)
-        dist.all_reduce(idle, op=dist.ReduceOp.MIN)  # 1: no rank did any; read once, at the first step
-        if not int(idle.item()):
-            return
-        cp = self.parallel_dims.cp
-        problem = (
-            f"NDParallelStrategy(cp={cp}): the first training step of {type(self._module).__name__} cut no sequence "
-            f"along cp and attended over none, so each of the {cp} cp ranks computed the whole sequence (context "
-            "parallelism did nothing). Give the model's own plans (ParallelPlan(tp_plan='auto'), for a model of a "
-            "library whose adapter cuts it: transformers, diffusers), or cut the batch in training_step with "
-            "lightning_ndclip.shard_sequence and attend with context_parallel_attention; or train with cp=1"
-        )
-        raise ValueError(problem)
-
-    def _check_random_streams(self) -> None:
-        """After the first training step: the tp and cp peers' random streams still agree (one host-side all-gather;
-        none without peers)."""
-        if not self._streams_checked and self._random_streams is not None and self.parallel_dims.tp * self.parallel_dims.cp > 1:
-            self._random_streams.check_peers_agree()
-        self._streams_checked = True
 
     @property
     def _cuts_sequences(self) -> bool:
