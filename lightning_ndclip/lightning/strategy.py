@@ -90,6 +90,14 @@ _OPTIMIZES_MANUALLY = (
 )
 
 
+def _refuse_fsdp1(model: nn.Module, strategy: str) -> None:
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise TypeError(
+            "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel`."
+            f" The `{strategy}` only supports the new FSDP2 APIs in PyTorch >= 2.4."
+        )
+
+
 class NDParallelStrategy(ModelParallelStrategy):
     """N-D parallel training: FSDP2 / HSDP, tensor, context, pipeline and expert parallel dims on one mesh.
 
@@ -414,33 +422,22 @@ class NDParallelStrategy(ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """As ``ModelParallelStrategy.setup``, with the declarative plan or the pipeline split applied
-        first (they take the place of ``configure_model``); then SUM reduction and equal replicas."""
+        """As ``ModelParallelStrategy.setup``, with the declarative plan or the pipeline split applied first (they take
+        the place of ``configure_model``); then SUM reduction, equal replicas and the step's random streams."""
         module, model = self._module, self._wrapped_model
+        fitting = trainer.state.fn == TrainerFn.FITTING
         if self.accelerator is not None:
             self.accelerator.setup(trainer)
         self._check_loss_normalization(module)
         if not is_overridden("configure_model", module):  # else recorded before configure_model ran
             self._ties = tied_parameters(module)
         self._parallelize(module)
-        if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-            raise TypeError(
-                "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel`."
-                f" The `{type(self).__name__}` only supports the new FSDP2 APIs in PyTorch >= 2.4."
-            )
-        if self._hf_checkpoint is not None and self._pipeline is not None:
-            self._pipeline.load_hf_checkpoint(module, self._hf_checkpoint, self.root_device)
-        elif self._hf_checkpoint is not None:
-            found = libraries.the_model(
-                module, "NDParallelStrategy(hf_checkpoint=...)",
-                instead="Call lightning_ndclip.load_hf_checkpoint(model, directory) for each in on_fit_start instead",
-            )  # fmt: skip
-            found.library.load_checkpoint(found.model, self._hf_checkpoint, device=self.root_device)
+        _refuse_fsdp1(model, type(self).__name__)
+        self._load_library_checkpoint(module)
         _compat.materialize_distributed_module(model, self.root_device)
         check_ties(module, self._ties)
         self.model = self.precision_plugin.convert_module(model)
         self.model_to_device()
-        fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:  # exact mode: a parameter nothing reduces is an error
             check_data_parallel_reduction(model, self.meshes, unreduced="raise" if self._sum_reduction else "warn")
         self.barrier()
@@ -449,30 +446,53 @@ class NDParallelStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
+        self._set_up_gradient_reduction(module)
+        if self._init_sync:
+            broadcast_replicas_(module)
+            if self._pipeline is not None:
+                self._pipeline.sync_ties()
+        if fitting:  # after every weight is made: to teardown
+            self._seed_random_streams(module)
+
+    def _load_library_checkpoint(self, module: pl.LightningModule) -> None:
+        """``hf_checkpoint=``: into the pipeline's stages, or into the module's one library model."""
+        if self._hf_checkpoint is None:
+            return
+        if self._pipeline is not None:
+            self._pipeline.load_hf_checkpoint(module, self._hf_checkpoint, self.root_device)
+            return
+        found = libraries.the_model(
+            module, "NDParallelStrategy(hf_checkpoint=...)",
+            instead="Call lightning_ndclip.load_hf_checkpoint(model, directory) for each in on_fit_start instead",
+        )  # fmt: skip
+        found.library.load_checkpoint(found.model, self._hf_checkpoint, device=self.root_device)
+
+    def _set_up_gradient_reduction(self, module: pl.LightningModule) -> None:
+        """Every FSDP2 reduction a SUM (``sum_reduction``, implied by ``loss_normalization``); parameters some ranks
+        leave unused handled (``find_unused_parameters``) or refused by name, before FSDP2's reduction."""
         if self._sum_reduction:
             use_sum_reduction(self._wrapped_model)
         if self._unused is None and self._pipeline is None and any(isinstance(m, FSDPModule) for m in module.modules()):
             host = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")  # checks read on the host
             unused = UnusedParameters if self._find_unused_parameters else UnusedParametersCheck
             self._unused = unused(self._wrapped_model, group=host if isinstance(host, dist.ProcessGroup) else None)
-        if self._init_sync:
-            broadcast_replicas_(module)
-            if self._pipeline is not None:
-                self._pipeline.sync_ties()
-        if fitting:  # after every weight is made: the step's draws, peers alike, data ranks and stages apart (to teardown)
-            seed = [torch.initial_seed()]
-            dist.broadcast_object_list(seed, src=0)
-            self._random_streams = RandomStreams(self.meshes, seed[0], self.root_device)
-            self._random_streams.seed_shared()
-            streams = self._random_streams
-            if self._cuts_sequences:  # every activation of the library models is this cp rank's tokens
-                for found in libraries.models(module):
-                    self._undo_forks += [handle.remove for handle in fork_forward(found.model, streams, "cp")]
-            elif self.parallel_dims.tp > 1:  # each tp rank's attention heads draw their own dropout masks
-                tp_rank = self.meshes["tp"].get_local_rank()
-                for found in libraries.models(module):
-                    if found.library.attention_dropout(found.model) > 0:
-                        self._undo_forks.append(found.library.fork_split_head_dropout(found.model, tp_rank))
+
+    def _seed_random_streams(self, module: pl.LightningModule) -> None:
+        """The step's random draws: alike on tp and cp peers, apart over data ranks and stages (rank 0's seed); the
+        library models' dropout forked where their activations are split (this cp rank's tokens, this tp rank's
+        heads). Undone at teardown."""
+        seed = [torch.initial_seed()]
+        dist.broadcast_object_list(seed, src=0)
+        self._random_streams = streams = RandomStreams(self.meshes, seed[0], self.root_device)
+        streams.seed_shared()
+        if self._cuts_sequences:  # every activation of the library models is this cp rank's tokens
+            for found in libraries.models(module):
+                self._undo_forks += [handle.remove for handle in fork_forward(found.model, streams, "cp")]
+        elif self.parallel_dims.tp > 1:  # each tp rank's attention heads draw their own dropout masks
+            tp_rank = self.meshes["tp"].get_local_rank()
+            for found in libraries.models(module):
+                if found.library.attention_dropout(found.model) > 0:
+                    self._undo_forks.append(found.library.fork_split_head_dropout(found.model, tp_rank))
 
     @override
     def teardown(self) -> None:
