@@ -21,7 +21,6 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -34,7 +33,6 @@ from typing_extensions import override
 from lightning_ndclip import _compat
 from lightning_ndclip.core import libraries
 from lightning_ndclip.core.agree import run_agreed
-from lightning_ndclip.core.load_balance import LOAD_BALANCING_KEY, window_share
 from lightning_ndclip.core.loss import MicroBatchShare
 from lightning_ndclip.core.parallel.coverage import check_data_parallel_reduction
 from lightning_ndclip.core.parallel.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError, check_sizes
@@ -60,6 +58,7 @@ from lightning_ndclip.lightning._checkpoint import (
 )
 from lightning_ndclip.lightning._first_step import FirstStepChecks
 from lightning_ndclip.lightning._logged_losses import LoggedLosses
+from lightning_ndclip.lightning._normalization import check_module_for, normalized, refuse_load_balancing
 from lightning_ndclip.lightning._pipeline import PipelineRunner
 from lightning_ndclip.lightning._pipeline_checkpoint import (
     PipelineLayout,
@@ -71,23 +70,10 @@ from lightning_ndclip.lightning._windows import LossWindows
 
 __all__ = ["NDParallelStrategy"]
 
-_NORMALIZATION_HOOKS = {
-    "token_mean": "count_tokens(batch) -> Tensor, the number of valid tokens in a raw batch",
-    "sample_mean": "sample_ids(batch) -> (ids, num_samples[, valid]) for this rank's tokens",
-}
-"""The LightningModule hook each ``loss_normalization`` reads, as its error names it."""
-
-_READS_ITS_OWN_BATCHES = (
-    "counts each accumulation window's batches before its first backward, and training_step(dataloader_iter) reads "
-    "its batches itself, after that. Take training_step(batch, batch_idx), or use loss_normalization=None with "
-    "sum_reduction=True and scale each loss by lightning_ndclip.sync_token_count(counts).normalize(loss_sum)"
-)
-_OPTIMIZES_MANUALLY = (
-    "scales the loss that training_step returns, after manual optimization has already run backward and stepped on "
-    "the unscaled one. With manual optimization, use loss_normalization=None with sum_reduction=True and scale each "
-    "loss before manual_backward: lightning_ndclip.sync_token_count(counts).normalize(loss_sum) or "
-    "sync_sample_weights(...).normalize(token_losses)"
-)
+def _is_one_of(output: Any, losses: list[torch.Tensor]) -> bool:
+    """Whether ``output``'s loss is one of ``losses`` (the library models' own, under cp their part of the mean)."""
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    return any(loss is own for own in losses)
 
 
 def _refuse_fsdp1(model: nn.Module, strategy: str) -> None:
@@ -428,7 +414,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.accelerator is not None:
             self.accelerator.setup(trainer)
-        self._check_loss_normalization(module)
+        check_module_for(self._loss_normalization, module)
         if not is_overridden("configure_model", module):  # else recorded before configure_model ran
             self._ties = tied_parameters(module)
         self._parallelize(module)
@@ -517,19 +503,6 @@ class NDParallelStrategy(ModelParallelStrategy):
         if self._random_streams is None:
             raise RuntimeError("NDParallelStrategy.random_streams exists once fit's setup has run")
         return self._random_streams
-
-    def _check_loss_normalization(self, module: pl.LightningModule) -> None:
-        """What ``loss_normalization`` needs of the LightningModule, one rule each."""
-        mode = self._loss_normalization
-        if mode is None:
-            return
-        hook = _NORMALIZATION_HOOKS[mode]
-        if not callable(getattr(module, hook.split("(")[0], None)):
-            raise TypeError(f"NDParallelStrategy(loss_normalization={mode!r}) needs the LightningModule to define {hook}")
-        if is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True):
-            raise ValueError(f"NDParallelStrategy(loss_normalization={mode!r}) {_READS_ITS_OWN_BATCHES}")
-        if not module.automatic_optimization:
-            raise ValueError(f"NDParallelStrategy(loss_normalization={mode!r}) {_OPTIMIZES_MANUALLY}")
 
     def _parallelize(self, module: pl.LightningModule) -> None:
         """Cut the pipeline stages, or apply the declarative plan; a module that has neither must have
@@ -648,15 +621,17 @@ class NDParallelStrategy(ModelParallelStrategy):
             self._first_step.watching, self._wrapped_model, self.meshes, streams=self._random_streams,
             module_name=type(self._module).__name__, device=self.root_device,
         )  # fmt: skip
+        refused = partial(refuse_load_balancing, mode=self._loss_normalization, pp=self.parallel_dims.pp)
         if self._pipeline is not None:
             with watching(watch_forward=False):
-                return self._refuse_load_balancing(self._pipelined_step(share, *args, **kwargs))
+                return refused(self._pipelined_step(share, *args, **kwargs))
         with watching(watch_forward=True):
             output, own_losses = self._run_step(super().training_step, args, kwargs)
         if self._windows is None:  # Lightning's mean of micro-batch means: Lightning divides by k itself
-            return self._refuse_load_balancing(output)
+            return refused(output)
         k = self._module.trainer.accumulate_grad_batches
-        output = self._normalized(output, share, k, own_losses)
+        own = self.parallel_dims.cp == 1 or _is_one_of(output, own_losses)
+        output = normalized(output, share, k, mode=self._loss_normalization, own=own, cuts=self._cuts_sequences)
         self._logged.add_window_share(self._module, self.meshes["dp_cp"].get_group(), output, k, share.ends_window)
         if share.ends_window:  # the next window's counts: their all-reduce overlaps this backward and optimizer step
             self._windows.read_next_window()
@@ -733,43 +708,6 @@ class NDParallelStrategy(ModelParallelStrategy):
             self._logged.add_window_share(self._module, self.meshes["dp_cp"].get_group(), output, 1, share.ends_window)
             if share.ends_window:
                 self._windows.read_next_window()
-        return output
-
-    def _normalized(self, output: Any, share: MicroBatchShare, k: int, own_losses: list[torch.Tensor]) -> Any:
-        """``training_step``'s loss as its share of the global mean, times ``k`` (Lightning divides by
-        ``accumulate_grad_batches`` before backward). Under cp a scalar mean is weighted by the micro-batch's count only
-        where it is a ``transformers`` model's own loss (in ``own_losses``): its part of the micro-batch's mean."""
-        if isinstance(output, Mapping) and "loss" not in output:
-            raise ValueError(f"training_step returned a dict without a 'loss' key (keys: {sorted(output)})")
-        loss = output["loss"] if isinstance(output, Mapping) else output
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(
-                f"with loss_normalization={self._loss_normalization!r}, training_step must return its loss (a "
-                f"tensor, or a dict with a 'loss' tensor), got {type(loss).__name__}"
-            )
-        source = "training_step"
-        if self.parallel_dims.cp > 1 and not any(loss is own for own in own_losses):
-            share = dataclasses.replace(share, local_tokens=None)
-            source += f" (cp > 1: count_tokens counts the raw batch, not this shard{self._own_loss_hint})"
-        scaled = share.apply(loss, source=source) * k
-        balancing = output.get(LOAD_BALANCING_KEY) if isinstance(output, Mapping) else None
-        if balancing is not None:  # a share of the global micro-batch's loss: the window's mean, not a token mean
-            scaled = scaled + window_share(balancing, share.micro_batches) * k
-        return {**output, "loss": scaled} if isinstance(output, Mapping) else scaled
-
-    @property
-    def _own_loss_hint(self) -> str:
-        return "; or return the transformers model's own .loss (labels=...) as it is" if self._cuts_sequences else ""
-
-    def _refuse_load_balancing(self, output: Any) -> Any:
-        """``output``, unless it holds a ``"load_balancing_loss"``, which this run would drop (it is added only with
-        ``loss_normalization`` and ``pp=1``): a ``ValueError``, the same on every rank."""
-        if isinstance(output, Mapping) and output.get(LOAD_BALANCING_KEY) is not None:
-            raise ValueError(
-                f"training_step returned {LOAD_BALANCING_KEY!r}, which NDParallelStrategy adds to the loss only with "
-                f"loss_normalization='token_mean' or 'sample_mean' and pp=1 (here loss_normalization="
-                f"{self._loss_normalization!r}, pp={self.parallel_dims.pp})"
-            )
         return output
 
     @override
