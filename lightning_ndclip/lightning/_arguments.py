@@ -97,7 +97,7 @@ def check_plan_and_pipeline(
     pipeline."""
     tp, pp, ep, cp = sizes["tp"], sizes["pp"], sizes["ep"], sizes["cp"]
     check_plan_sizes(plan.tp_plan, tp, ep, cp)
-    if plan.tp_plan == "auto" and cp > 1 and pp > 1:
+    if plan.cuts_sequences(cp) and pp > 1:
         raise ValueError(
             "NDParallelStrategy(cp > 1, pp > 1) with tp_plan='auto': transformers models are cut along the sequence "
             "only outside a pipeline so far; use cp or pp"

@@ -639,9 +639,7 @@ class NDParallelStrategy(ModelParallelStrategy):
 
     @property
     def _cuts_sequences(self) -> bool:
-        """Whether the library models' own plans cut their sequences along cp (``tp_plan="auto"``, ``cp > 1``): the batch
-        by their library's :meth:`~lightning_ndclip.core.libraries.ModelLibrary.cut_batch`."""
-        return self._plan.tp_plan == "auto" and self.parallel_dims.cp > 1
+        return self._plan.cuts_sequences(self.parallel_dims.cp)
 
     def _run_step(
         self, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -386,6 +386,12 @@ class ParallelPlan:
         """Whether the plan applies anything."""
         return bool(self.tp_plan or self.fsdp_units or self.activation_checkpointing or self.mp_policy)
 
+    def cuts_sequences(self, cp: int) -> bool:
+        """Whether the library models' own plans (``tp_plan="auto"``) cut their sequences over ``cp`` ranks: the
+        batch by their library's :meth:`~lightning_ndclip.core.libraries.ModelLibrary.cut_batch`, the model where
+        its own plan says."""
+        return self.tp_plan == "auto" and cp > 1
+
     def for_stage(self, model: nn.Module, stage: nn.Module) -> ParallelPlan:
         """The part of this plan, written for the whole ``model``, that applies to ``stage``, a pipeline stage cut from
         it (holding some of its modules under their names): the ``tp_plan`` entries naming modules of the stage, the
@@ -422,7 +428,7 @@ class ParallelPlan:
                 ``kv_exchange="ring"``, whose point-to-point exchanges Dynamo does not compile, or with ``tp > 1`` and
                 a ``transformers`` model with attention dropout (drawn per tp rank: generators seeded in the step).
         """
-        if _fullgraph(self.compile) and meshes["cp"].size() > 1 and self.tp_plan == "auto" and self.kv_exchange == "ring":
+        if _fullgraph(self.compile) and self.cuts_sequences(meshes["cp"].size()) and self.kv_exchange == "ring":
             raise ValueError(
                 "ParallelPlan(compile=...) with cp > 1: the ring exchange of keys and values (kv_exchange='ring') sends "
                 "and receives point to point, which Dynamo does not compile (a graph break per exchange); give "
