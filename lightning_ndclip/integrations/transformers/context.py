@@ -219,8 +219,7 @@ def context_parallelize(model: Any, cp: DeviceMesh) -> None:
                 f"cp > 1: {name} uses attn_implementation={original!r}; context parallelism replaces it with ring "
                 "attention and keeps 'sdpa' or 'eager' for calls outside training: load the model with one of those"
             )
-        model.set_attn_implementation(_register(original))
-        if _compat.attention_implementation(config) != _PREFIX + original:  # a model whose attention is not looked up by name
+        if not switch_attention(model, _PREFIX + original, original, _attention_for(original), _ring_mask_for(original)):
             raise ValueError(
                 f"cp > 1: {name} does not take an attention implementation from transformers' AttentionInterface, "
                 "so its attention cannot be routed to ring attention; train this model without cp"
@@ -283,13 +282,11 @@ def _rope_types(parameters: Any) -> set[str]:
     return found.union(*(_rope_types(value) for value in parameters.values()))
 
 
-def _register(original: str) -> str:
-    """Register the ring attention (and its mask function) under ``ndclip_cp_<original>``, which falls back
-    to ``original`` outside an active shard; the name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+def _ring_mask_for(original: str) -> Callable[..., Any]:
+    """The mask function registered beside the ring attention: the step's ring mask inside an active shard (with the
+    sliding window a layer asks for), ``original``'s outside one."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    name = _PREFIX + original
     original_mask = ALL_MASK_ATTENTION_FUNCTIONS[original]
 
     def mask(*args: Any, **kwargs: Any) -> Any:
@@ -299,9 +296,25 @@ def _register(original: str) -> str:
         window = kwargs.get("local_size")  # create_sliding_window_causal_mask's window (chunked masks are refused)
         return ring if window is None else replace(ring, window=window)
 
-    AttentionInterface.register(name, _attention_for(original))
-    AttentionMaskInterface.register(name, mask)
-    return name
+    return mask
+
+
+def switch_attention(
+    model: nn.Module, name: str, original: str, attention: Callable[..., Any], mask: Callable[..., Any] | None = None
+) -> bool:
+    """Register ``attention`` (and ``mask``, else ``original``'s mask function) with transformers'
+    ``AttentionInterface`` under ``name`` and switch ``model`` to it; whether it took it. A model whose attention is
+    not looked up by name keeps ``original``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, mask or ALL_MASK_ATTENTION_FUNCTIONS[original])
+    model.set_attn_implementation(name)  # type: ignore[operator]
+    if _compat.attention_implementation(model.config) == name:
+        return True
+    model.set_attn_implementation(original)  # type: ignore[operator]
+    return False
 
 
 def _attention_for(original: str) -> Callable[..., tuple[torch.Tensor, None]]:

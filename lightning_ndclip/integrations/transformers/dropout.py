@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_ndclip import _compat
 from lightning_ndclip.core.random import seeded_from_state
-from lightning_ndclip.integrations.transformers.context import original_attention
+from lightning_ndclip.integrations.transformers.context import original_attention, switch_attention
 
 __all__ = ["fork_split_head_dropout"]
 
@@ -54,11 +54,8 @@ def _splits_heads(module: nn.Module) -> bool:
     return _SPLIT[module]
 
 
-def _register(original: str) -> str:
-    """Register the attention with per-rank dropout (and ``original``'s mask function) under ``ndclip_tp_<original>``;
-    the name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+def _forked(original: str) -> Callable[..., Any]:
+    """``original``'s attention with this rank's own dropout numbers where tensor parallelism splits its heads."""
 
     def attention(module: nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         own = original_attention(module, original)
@@ -68,10 +65,7 @@ def _register(original: str) -> str:
         with seeded_from_state(query.device, "heads", rank):  # this rank's heads: numbers of their own
             return own(module, query, *args, **kwargs)
 
-    name = _PREFIX + original
-    AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
-    return name
+    return attention
 
 
 def fork_split_head_dropout(model: nn.Module, tp_rank: int) -> Callable[[], None]:
@@ -89,9 +83,7 @@ def fork_split_head_dropout(model: nn.Module, tp_rank: int) -> Callable[[], None
     original = _compat.attention_implementation(config)
     if original.startswith(_PREFIX):
         raise ValueError(f"fork_split_head_dropout: {type(model).__name__}'s attention is forked already")
-    model.set_attn_implementation(_register(original))  # type: ignore[operator]
-    if _compat.attention_implementation(config) != _PREFIX + original:
-        model.set_attn_implementation(original)  # type: ignore[operator]
+    if not switch_attention(model, _PREFIX + original, original, _forked(original)):
         raise ValueError(
             f"tp > 1 with attention dropout: {type(model).__name__} does not take its attention from transformers' "
             "AttentionInterface, so each tp rank's heads cannot draw their own dropout masks; set "
