@@ -66,6 +66,7 @@ from lightning_ndclip.lightning._pipeline_checkpoint import (
     load_distributed_checkpoint,
     read_plan,
 )
+from lightning_ndclip.lightning._summary import training_notes
 from lightning_ndclip.lightning._windows import LossWindows
 
 __all__ = ["NDParallelStrategy"]
@@ -539,42 +540,15 @@ class NDParallelStrategy(ModelParallelStrategy):
         is the table printed when training starts. Collective over ``pp`` when ``pp > 1``."""
         stages = {self._pp.module: self._pipeline.local_stages(self._module)} if self._pipeline is not None else None
         summary = summarize(self._module, self.meshes, stages)
-        trainer = self._module.trainer
-        dims = self.parallel_dims
-        k = trainer.accumulate_grad_batches
-        loader = getattr(trainer, "train_dataloader", None)
-        batch = getattr(loader, "batch_size", None)
-        if isinstance(batch, int):
-            per_step = f"{batch} per rank x dp={dims.batch_size} ranks x {k} accumulated = {batch * dims.batch_size * k}"
-        else:
-            per_step = f"(the dataloader has no batch_size) x dp={dims.batch_size} ranks x {k} accumulated"
-        summary.notes.append(f"Data: samples per optimizer step: {per_step}")
-        if not self._plan and self._whole_module_unit(self._module):
-            summary.notes.append(
-                "FSDP2: the whole module is one unit (no plan, no configure_model): its parameters are gathered all at "
-                "once; plan=ParallelPlan(fsdp_units=[YourBlock]) gathers one block at a time, overlapping communication "
-                "with compute and holding less memory"
-            )
-        if self._pipeline is not None:
-            config = self._pp
-            summary.notes.append(
-                f"Pipeline: schedule {config.schedule!r}, {self._microbatches} micro-batches per batch, "
-                f"{dims.pp * config.stages_per_rank} stages ({config.stages_per_rank} per rank)"
-            )
-        if self._cuts_sequences:
-            summary.notes.append(f"Context: {self._sequence_cutter().context_summary(dims.cp, self._plan.kv_exchange)}")
-        loss = {
-            "token_mean": "token_mean: each micro-batch's loss is its share of the global token mean (count_tokens, "
-            "summed over dp per window)",
-            "sample_mean": "sample_mean: the hierarchical per-sample mean (sample_ids, summed over cp and dp per window)",
-        }.get(self._loss_normalization or "")
-        if loss is None:
-            loss = (
-                "sum_reduction: FSDP2 sums gradients; training_step normalizes by global counts itself"
-                if self._sum_reduction
-                else "Lightning's per-rank mean, averaged by the data-parallel reduction"
-            )
-        summary.notes.append(f"Loss: {loss}")
+        trainer, dims = self._module.trainer, self.parallel_dims
+        summary.notes += training_notes(
+            batch_size=getattr(getattr(trainer, "train_dataloader", None), "batch_size", None),
+            data_ranks=dims.batch_size, accumulate=trainer.accumulate_grad_batches,
+            whole_module_unit=not self._plan and self._whole_module_unit(self._module),
+            pipeline=None if self._pipeline is None else (self._pp, self._microbatches, dims.pp),
+            context=self._sequence_cutter().context_summary(dims.cp, self._plan.kv_exchange) if self._cuts_sequences else None,
+            normalization=self._loss_normalization, sum_reduction=self._sum_reduction,
+        )  # fmt: skip
         return summary
 
     @override
