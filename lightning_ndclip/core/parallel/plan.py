@@ -155,7 +155,34 @@ def parallelize(
     options = None if compile is False else {} if compile is True else dict(compile)  # None: no compile
     if tp_plan == "auto" and not fsdp_units:
         fsdp_units = libraries.block_classes(module)
-    if options is not None and not fsdp_units:
+    _check_arguments(module, meshes, tp_plan, fsdp_units, activation_checkpointing, compile)
+    experts = _apply_tensor_parallel(module, meshes, tp_plan, loss_parallel)
+    wrappers = _apply_activation_checkpointing(module, activation_checkpointing)
+    fsdp_kwargs: dict[str, Any] = {"mesh": meshes["fsdp"], **({} if mp_policy is None else {"mp_policy": mp_policy})}
+    for unit in experts.values():  # whole experts per ep rank, sharded over the ranks that hold the same experts
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **{**fsdp_kwargs, "mesh": meshes["edp"]})
+    units = tuple(fsdp_units)
+    matched = [m for m in module.modules() if units and isinstance(m, units) and m is not module]
+    if options is not None:  # a checkpointed unit's wrapper is the unit, compiled with the checkpoint inside (torchtitan's order)
+        matched = [wrappers.get(m, m) for m in matched]
+    for unit in reversed(matched):  # inner units first: an outer unit's fully_shard would take their parameters
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **fsdp_kwargs)
+    _shard_roots(module, _callable_units([module] if root_units is None else root_units), fsdp_kwargs)
+    if options is not None:
+        _compile_units(matched, options)
+    return module
+
+
+def _check_arguments(
+    module: nn.Module,
+    meshes: ParallelMeshes,
+    tp_plan: Mapping[str, ParallelStyle] | Literal["auto"] | None,
+    fsdp_units: Sequence[type[nn.Module]],
+    activation_checkpointing: Sequence[type[nn.Module]],
+    compile: bool | Mapping[str, Any],
+) -> None:
+    """:func:`parallelize`'s checks before it changes anything (see its ``Raises``)."""
+    if compile is not False and not fsdp_units:
         raise ValueError(
             "compile compiles each module of the fsdp_units classes (the transformer blocks), and fsdp_units is "
             "empty: name the block class in fsdp_units"
@@ -163,7 +190,7 @@ def parallelize(
     _check_classes(module, "fsdp_units", fsdp_units)
     _check_classes(module, "activation_checkpointing", activation_checkpointing)
     _check_not_compiled(module, activation_checkpointing, compile=False)
-    if options is not None:
+    if compile is not False:
         _check_not_compiled(module, fsdp_units, compile=True)
     tp, ep, cp = meshes["tp"].size(), meshes["ep"].size(), meshes["cp"].size()
     check_plan_sizes(tp_plan, tp, ep, cp)
@@ -173,6 +200,14 @@ def parallelize(
             "and exchange their tokens in sizes read on the host, so a block is no single graph; give "
             "compile={'fullgraph': False} (graph breaks there), or leave compile off"
         )
+
+
+def _apply_tensor_parallel(
+    module: nn.Module, meshes: ParallelMeshes, tp_plan: Mapping[str, ParallelStyle] | Literal["auto"] | None,
+    loss_parallel: bool | str,
+) -> dict[str, nn.Module]:  # fmt: skip
+    """The tp plan (``"auto"``: each library model's own, with its ep and cp plans) and the loss-parallel head;
+    the modules holding whole experts per ep rank, each to be an FSDP2 unit of its own."""
     experts: dict[str, nn.Module] = {}
     if tp_plan == "auto":
         tp_plan, experts = _apply_library_plans(module, meshes)
@@ -182,21 +217,23 @@ def parallelize(
         tp_plan = loss_parallel_plan(module, tp_plan if isinstance(tp_plan, Mapping) else None, loss_parallel)
     if tp_plan:
         tensor_parallelize(module, meshes["tp"], tp_plan)
+    return experts
+
+
+def _apply_activation_checkpointing(
+    module: nn.Module, activation_checkpointing: Sequence[type[nn.Module]]
+) -> dict[nn.Module, nn.Module]:
+    """Each module of the ``activation_checkpointing`` classes wrapped to recompute in backward: ``{module: its
+    wrapper}``; a library model's checkpointed layers told not to cache."""
     wrappers = _replace_children(module, tuple(activation_checkpointing)) if activation_checkpointing else {}
-    for library in libraries.registered() if wrappers else ():  # a library model's checkpointed layers
+    for library in libraries.registered() if wrappers else ():
         library.recompute_without_cache(module, wrappers.values())
-    fsdp_kwargs: dict[str, Any] = {"mesh": meshes["fsdp"]}
-    if mp_policy is not None:
-        fsdp_kwargs["mp_policy"] = mp_policy
-    for unit in experts.values():  # whole experts per ep rank, sharded over the ranks that hold the same experts
-        fully_shard(unit, reshard_after_forward=reshard_after_forward, **{**fsdp_kwargs, "mesh": meshes["edp"]})
-    units = tuple(fsdp_units)
-    matched = [m for m in module.modules() if units and isinstance(m, units) and m is not module]
-    if options is not None:  # a checkpointed unit's wrapper is the unit, compiled with the checkpoint inside (torchtitan's order)
-        matched = [wrappers.get(m, m) for m in matched]
-    for unit in reversed(matched):  # inner units first: an outer unit's fully_shard would take their parameters
-        fully_shard(unit, reshard_after_forward=reshard_after_forward, **fsdp_kwargs)
-    roots = _callable_units([module] if root_units is None else root_units)
+    return wrappers
+
+
+def _shard_roots(module: nn.Module, roots: list[nn.Module], fsdp_kwargs: dict[str, Any]) -> None:
+    """The root FSDP2 units, after every inner one: one parameter held by two roots refused; their outputs never
+    views (FSDP2 would warn that an in-place op drops their backward hook)."""
     shared = shared_parameters(roots)
     if shared:
         raise ValueError(
@@ -211,9 +248,6 @@ def parallelize(
         fully_shard(root, **fsdp_kwargs)
         if isinstance(root, nn.Sequential):
             _SequentialCalled(root, next((n for n, m in module.named_modules() if m is root), "") or "the module")
-    if options is not None:
-        _compile_units(matched, options)
-    return module
 
 
 def own_class_name(module: nn.Module) -> str:
