@@ -36,7 +36,7 @@ from lightning_ndclip.core.agree import run_agreed
 from lightning_ndclip.core.loss import MicroBatchShare
 from lightning_ndclip.core.parallel.coverage import check_data_parallel_reduction
 from lightning_ndclip.core.parallel.mesh import ParallelDims, ParallelMeshes, _SizeMismatchError, check_sizes
-from lightning_ndclip.core.parallel.plan import ParallelPlan, shared_parameters
+from lightning_ndclip.core.parallel.plan import ParallelPlan
 from lightning_ndclip.core.parallel.reduce import use_sum_reduction
 from lightning_ndclip.core.parallel.replicas import broadcast_replicas_
 from lightning_ndclip.core.parallel.summary import ParallelSummary, summarize
@@ -68,6 +68,7 @@ from lightning_ndclip.lightning._pipeline_checkpoint import (
 )
 from lightning_ndclip.lightning._summary import training_notes
 from lightning_ndclip.lightning._windows import LossWindows
+from lightning_ndclip.lightning._wrapping import whole_module_unit, wrap
 
 __all__ = ["NDParallelStrategy"]
 
@@ -387,26 +388,6 @@ class NDParallelStrategy(ModelParallelStrategy):
             closure_loss = self._unused.prepare_backward(closure_loss, reduces=self._gradient_sync)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    def _apply_declarative_plan(self, module: pl.LightningModule) -> None:
-        """Parallelize a LightningModule that has no ``configure_model`` with the strategy's plan (once:
-        a module already holding FSDP2 units, from an earlier ``fit``, is left as it is)."""
-        if any(isinstance(m, FSDPModule) for m in module.modules()):
-            return
-        # the children training_step calls get the root units (the LightningModule's own forward is
-        # usually never called); a LightningModule with its own parameters too
-        roots = [c for c in module.children() if any(True for _ in c.parameters())]
-        if any(True for _ in module.parameters(recurse=False)) or not roots:
-            roots.append(module)
-        if shared_parameters(roots):  # a tied embedding and head: one unit for the module
-            if not is_overridden("forward", module):
-                raise ValueError(
-                    f"{type(module).__name__}'s children share parameters (e.g. a tied embedding and head), so they "
-                    "cannot each be an FSDP2 root unit, and the LightningModule itself has no forward to be the "
-                    "root: define forward and call self(...) in training_step"
-                )
-            roots = [module]
-        self._plan.apply(module, self.meshes, root_units=roots)
-
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         """As ``ModelParallelStrategy.setup``, with the declarative plan or the pipeline split applied first (they take
@@ -418,7 +399,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         check_module_for(self._loss_normalization, module)
         if not is_overridden("configure_model", module):  # else recorded before configure_model ran
             self._ties = tied_parameters(module)
-        self._parallelize(module)
+        wrap(module, self._plan, lambda: self.meshes, self._sizes, self._pipeline, type(self).__name__)
         _refuse_fsdp1(model, type(self).__name__)
         self._load_library_checkpoint(module)
         _compat.materialize_distributed_module(model, self.root_device)
@@ -505,36 +486,6 @@ class NDParallelStrategy(ModelParallelStrategy):
             raise RuntimeError("NDParallelStrategy.random_streams exists once fit's setup has run")
         return self._random_streams
 
-    def _parallelize(self, module: pl.LightningModule) -> None:
-        """Cut the pipeline stages, or apply the declarative plan; a module that has neither must have
-        parallelized itself in ``configure_model`` (which Lightning ran before ``setup``)."""
-        if self._pipeline is not None:
-            self._pipeline.setup(module, self.meshes, self._plan)
-            if self._pipeline.config.tied_parameters and not module.automatic_optimization:  # the same on every rank
-                raise ValueError(
-                    "NDParallelStrategy(pp > 1) with tied parameters needs automatic optimization: the copies' "
-                    "gradients are summed over their stages after training_step returns, and manual optimization "
-                    "steps before that, each copy on its own stage's gradient"
-                )
-        elif self._plan or self._whole_module_unit(module):
-            self._apply_declarative_plan(module)
-        elif not is_overridden("configure_model", module):
-            raise TypeError(
-                f"When using the {type(self).__name__}, you are required to override the `configure_model()` hook "
-                "in the LightningModule and apply parallelization there, or to give the strategy a declarative "
-                "plan (plan=ParallelPlan(fsdp_units=..., tp_plan=...))."
-            )
-
-    def _whole_module_unit(self, module: pl.LightningModule) -> bool:
-        """Whether ``module`` becomes one FSDP2 unit as it is (as Lightning's ``FSDPStrategy`` shards a module): only
-        data-parallel sizes given (``dp_shard`` / ``dp_replicate``), no plan, no ``configure_model``; with tp, cp, pp or
-        ep the strategy cannot guess the rest, and with no size at all it stays Lightning's ``ModelParallelStrategy``,
-        which asks for ``configure_model``."""
-        sizes = self._sizes
-        data_given = sizes["dp_shard"] != -1 or sizes["dp_replicate"] > 1
-        others = max(sizes["tp"], sizes["cp"], sizes["pp"], sizes["ep"]) > 1
-        return data_given and not others and not is_overridden("configure_model", module)
-
     def parallel_summary(self) -> ParallelSummary:
         """What was parallelized how, and the data side (see the ``summary`` argument); ``str()`` of it
         is the table printed when training starts. Collective over ``pp`` when ``pp > 1``."""
@@ -544,7 +495,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         summary.notes += training_notes(
             batch_size=getattr(getattr(trainer, "train_dataloader", None), "batch_size", None),
             data_ranks=dims.batch_size, accumulate=trainer.accumulate_grad_batches,
-            whole_module_unit=not self._plan and self._whole_module_unit(self._module),
+            whole_module_unit=not self._plan and whole_module_unit(self._module, self._sizes),
             pipeline=None if self._pipeline is None else (self._pp, self._microbatches, dims.pp),
             context=self._sequence_cutter().context_summary(dims.cp, self._plan.kv_exchange) if self._cuts_sequences else None,
             normalization=self._loss_normalization, sum_reduction=self._sum_reduction,
