@@ -219,8 +219,22 @@ def watch_split_activations(model: nn.Module, tp_mesh: DeviceMesh) -> Iterator[N
     Modules compiled with ``torch.compile`` run eagerly inside (``torch.compiler.set_stance("force_eager")``): the
     watch sees every op, and Dynamo traces neither the watch nor its hooks, which are gone when it first compiles
     them (the next forward)."""
-    tp_dim = (tp_mesh.mesh_dim_names or ("tp",))[0]
     watch = _Watch()
+    handles = _hooked(model, (tp_mesh.mesh_dim_names or ("tp",))[0], watch)
+    watch.dtensors.update((id(p), (n, p)) for n, p in model.named_parameters() if isinstance(p, DTensor))
+    try:
+        with watch, torch.compiler.set_stance("force_eager"):  # compiled blocks run their Python: the watch sees its ops
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    _refuse_what_was_seen(watch)
+    _sum_over_tp(watch, tp_mesh.get_group())
+
+
+def _hooked(model: nn.Module, tp_dim: str, watch: _Watch) -> list[Any]:
+    """Hooks on every module of ``model`` telling ``watch`` what enters and leaves it, which outputs a colwise layer
+    splits and which a rowwise layer makes whole again; their handles."""
     handles = []
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
@@ -265,13 +279,12 @@ def watch_split_activations(model: nn.Module, tp_mesh: DeviceMesh) -> Iterator[N
 
             handles.append(module.register_forward_hook(rowwise))
         handles.append(module.register_forward_hook(left))  # after the colwise / rowwise hook: the split output known
-    watch.dtensors.update((id(p), (n, p)) for n, p in model.named_parameters() if isinstance(p, DTensor))
-    try:
-        with watch, torch.compiler.set_stance("force_eager"):  # compiled blocks run their Python: the watch sees its ops
-            yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    return handles
+
+
+def _refuse_what_was_seen(watch: _Watch) -> None:
+    """The watched forward's traps: a whole parameter meeting split and whole activations, a whole activation
+    entering split ones."""
     mixed = sorted(set(watch.on_split) & watch.on_whole)
     if mixed:
         raise ValueError(
@@ -289,7 +302,11 @@ def watch_split_activations(model: nn.Module, tp_mesh: DeviceMesh) -> Iterator[N
             "part of the gradient, and nothing sums the parts. Give that layer the style that splits its output with "
             "the heads (ColwiseParallel, its per-head parameters with it), or gather the split activations first"
         )
-    group = tp_mesh.get_group()
+
+
+def _sum_over_tp(watch: _Watch, group: dist.ProcessGroup) -> None:
+    """A hook summing the gradient over tp on each whole parameter that met split activations only (once per
+    parameter, however often it is watched)."""
     for parameter in watch.on_split.values():
         hooked = _SUMMED.get(id(parameter))
         if hooked is None or hooked() is not parameter:  # once: watching the same module again must not sum twice
