@@ -294,7 +294,6 @@ class VerifyOneDevice(Callback):
         norm, ref_norm = _total_norm(self._grads, stage_ties), _total_norm(reference, [])
         rows = _rows(self._grads, reference, tied_parameters(plain), parallel_ties, ref_norm)
         bad = [r for r in rows if r[1] > rtol]
-        loss_err, norm_err = _relative(parallel_loss, ref_loss), _relative(norm, ref_norm)
         one_batch = (
             self.whole_window and stand_in.loss_reduction == "mean" and stand_in.loss_normalization != "sample_mean"
             and callable(getattr(plain, "count_tokens", None))
@@ -307,23 +306,33 @@ class VerifyOneDevice(Callback):
                 one_process, dtype, reference, ref_loss, ref_norm,
             )
         )  # fmt: skip
-        window_bad = window is not None and window.differs(rtol)
+        found = _Found(
+            k=k, data_ranks=len(data), dtype=dtype, rtol=rtol, rows=rows, bad=bad, parallel_loss=parallel_loss,
+            ref_loss=ref_loss, norm=norm, ref_norm=ref_norm, window=window, draws=draws, computed=computed,
+        )  # fmt: skip
+        return self._report(found)
+
+    def _report(self, found: _Found) -> str | None:
+        """Print the report of a replayed step; the mismatch message, or ``None``."""
+        f, rtol = found, found.rtol
+        loss_err, norm_err = _relative(f.parallel_loss, f.ref_loss), _relative(f.norm, f.ref_norm)
+        window_bad = f.window is not None and f.window.differs(rtol)
         verdict = (
-            f"MISMATCH: {len(bad)} of {len(rows)} parameters beyond rtol {rtol:g}"
+            f"MISMATCH: {len(f.bad)} of {len(f.rows)} parameters beyond rtol {rtol:g}"
             + ("; the window as one batch differs from its micro-batches" if window_bad else "")
-            if bad or loss_err > rtol or norm_err > rtol or window_bad
+            if f.bad or loss_err > rtol or norm_err > rtol or window_bad
             else f"exact: every gradient, the loss and the norm within rtol {rtol:g}"
         )
         lines = [
-            f"VerifyOneDevice: the first optimizer step ({k} micro-batch(es) x {len(data)} data rank(s)) replayed on "
-            f"one process in {str(dtype).replace('torch.', '')}",
-            f"  loss        parallel {parallel_loss:.10g}   one device {ref_loss:.10g}   rel. error {loss_err:.1e}",
-            f"  total norm  parallel {norm:.10g}   one device {ref_norm:.10g}   rel. error {norm_err:.1e}",
-            f"  worst parameters (of {len(rows)}):",
-            *(f"    {name:<44} {err:9.1e}  {cause}" for name, err, cause in rows[: self.rows]),
-            *([] if window is None else [f"  as one batch {window.summary()}"]),
-            *([] if draws is None else [f"  random draws  {draws.summary()}"]),
-            *([] if computed is None else [f"  precision   {computed.summary(dtype)}"]),
+            f"VerifyOneDevice: the first optimizer step ({f.k} micro-batch(es) x {f.data_ranks} data rank(s)) replayed "
+            f"on one process in {str(f.dtype).replace('torch.', '')}",
+            f"  loss        parallel {f.parallel_loss:.10g}   one device {f.ref_loss:.10g}   rel. error {loss_err:.1e}",
+            f"  total norm  parallel {f.norm:.10g}   one device {f.ref_norm:.10g}   rel. error {norm_err:.1e}",
+            f"  worst parameters (of {len(f.rows)}):",
+            *(f"    {name:<44} {err:9.1e}  {cause}" for name, err, cause in f.rows[: self.rows]),
+            *([] if f.window is None else [f"  as one batch {f.window.summary()}"]),
+            *([] if f.draws is None else [f"  random draws  {f.draws.summary()}"]),
+            *([] if f.computed is None else [f"  precision   {f.computed.summary(f.dtype)}"]),
             f"  verdict: {verdict}",
             self._cost(),
         ]
@@ -332,12 +341,12 @@ class VerifyOneDevice(Callback):
         if not verdict.startswith("MISMATCH"):
             return None
         named = "; ".join(
-            f"{name} (rel. error {err:.1e}{': ' + cause if cause else ''})" for name, err, cause in (bad or rows)[: self.rows]
+            f"{name} (rel. error {err:.1e}{': ' + cause if cause else ''})" for name, err, cause in (f.bad or f.rows)[: self.rows]
         )
         return (
             f"VerifyOneDevice: the parallel run differs from the same module on one process at the first step: "
             f"{verdict}; loss rel. error {loss_err:.1e}, total norm rel. error {norm_err:.1e}. {named}"
-            + (f". {window.explanation()}" if window is not None and window_bad else "")
+            + (f". {f.window.explanation()}" if f.window is not None and window_bad else "")
         )
 
     def _cost(self) -> str:
@@ -779,6 +788,28 @@ def _concatenated(batches: list[Any]) -> Any:
 _ZERO_GRADIENT = 1e-3
 """A gradient below this fraction of the total norm is compared with that fraction of the norm: one
 that is zero in exact arithmetic (a key bias, which the softmax cancels) comes out as rounding noise."""
+
+
+@dataclass(frozen=True)
+class _Found:
+    """What replaying a step found, for its report: the window (``k`` micro-batches of ``data_ranks`` ranks) replayed
+    in ``dtype``, compared within ``rtol``; each parameter's row (name, relative error, cause), those beyond ``rtol``;
+    the loss and the total norm, parallel and one device; the window as one batch, the step's draws, the precision
+    the model computed in (each where checked)."""
+
+    k: int
+    data_ranks: int
+    dtype: torch.dtype
+    rtol: float
+    rows: list[tuple[str, float, str]]
+    bad: list[tuple[str, float, str]]
+    parallel_loss: float
+    ref_loss: float
+    norm: float
+    ref_norm: float
+    window: _WindowCheck | None
+    draws: _StepDraws | None
+    computed: _Computed | None
 
 
 @dataclass(frozen=True)
