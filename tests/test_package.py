@@ -165,3 +165,10 @@ def test_each_part_of_the_core_imports_only_what_its_docstring_allows():
                 if not any(target == a or target.startswith(f"{a}.") for a in allowed):
                     wrong.append(f"{relative}: {module}")
     assert not wrong, wrong
+
+
+def test_the_architecture_pages_import_table_is_the_one_the_code_is_checked_against():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| (.+?) \|$", page.split("| core part | may import |", 1)[1].split("\n\n", 1)[0], re.M)
+    table = {part: set(re.findall(r"`([\w.]+)`", imports)) for part, imports in rows}
+    assert table == _MAY_IMPORT

@@ -11,7 +11,7 @@ between), and sums the gradients of parameters tied across stages once a window 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -116,9 +116,8 @@ class PipelineRunner:
         self.device = device
         self.meshes: ParallelMeshes | None = None
         self.schedule: Any = None  # a torch.distributed.pipelining schedule, once set up
-        # this batch's share of its window (set by the strategy before each training_step)
-        self.share = MicroBatchShare(1.0)
-        self._share = self.share  # what this batch's schedule scales by (evaluation: a plain sum)
+        self._training_share = MicroBatchShare(1.0)  # the training batch's share of its window
+        self._share = self._training_share  # what this batch's schedule scales by (evaluation: a plain sum)
         self._target: torch.Tensor | None = None  # the batch's target, indexed by the row ids the schedule splits
         self._module: Any = None  # the LightningModule (it defines pipeline_loss)
         self._loss_error: Exception | None = None  # the first pipeline_loss error of this batch
@@ -337,6 +336,20 @@ class PipelineRunner:
             rows, target = target, self._target[target]
         return share.of_rows(rows).apply(self._module.pipeline_loss(output, target), source="pipeline_loss (pp > 1)")
 
+    def training_step(self, step: Callable[[], Any], share: MicroBatchShare, module: pl.LightningModule) -> Any:
+        """``step()`` (the module's ``training_step``, which calls :meth:`run`: forward and backward), each pipeline
+        micro-batch's loss scaled by ``share``; with automatic optimization Lightning zeroes the gradients after
+        ``training_step`` and then calls backward, so the step's gradients wait aside until
+        :meth:`gradients_back` adds them."""
+        self._training_share = share
+        if module.automatic_optimization:
+            with self.gradients_aside(module, window_ends=share.ends_window):
+                return step()
+        output = step()
+        if share.ends_window:
+            self.window_complete()
+        return output
+
     @contextmanager
     def gradients_aside(self, module: nn.Module, window_ends: bool) -> Iterator[None]:
         """Around ``training_step``: the schedule's backward starts from no gradients; what it computes
@@ -382,7 +395,7 @@ class PipelineRunner:
         rank, size = pp_mesh.get_local_rank(), pp_mesh.size()
         run = self.schedule.step if training else self.schedule.eval
         # evaluation: the plain sum of pipeline_loss over micro-batches
-        self._share = self.share if training else MicroBatchShare(1.0)
+        self._share = self._training_share if training else MicroBatchShare(1.0)
         self._target, self._loss_error = None, None
         weights = self._share.weights
         if weights is not None:  # checked on every rank (all get the target): none is left waiting

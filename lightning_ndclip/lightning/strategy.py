@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
@@ -56,6 +56,7 @@ from lightning_ndclip.lightning._checkpoint import (
     refuse_incomplete_checkpoint,
     save_distributed_checkpoint_atomically,
 )
+from lightning_ndclip.lightning._cut_steps import CutSteps
 from lightning_ndclip.lightning._first_step import FirstStepChecks
 from lightning_ndclip.lightning._logged_losses import LoggedLosses
 from lightning_ndclip.lightning._normalization import check_module_for, normalized, refuse_load_balancing
@@ -71,11 +72,6 @@ from lightning_ndclip.lightning._windows import LossWindows
 from lightning_ndclip.lightning._wrapping import whole_module_unit, wrap
 
 __all__ = ["NDParallelStrategy"]
-
-def _is_one_of(output: Any, losses: list[torch.Tensor]) -> bool:
-    """Whether ``output``'s loss is one of ``losses`` (the library models' own, under cp their part of the mean)."""
-    loss = output.get("loss") if isinstance(output, Mapping) else output
-    return any(loss is own for own in losses)
 
 
 def _refuse_fsdp1(model: nn.Module, strategy: str) -> None:
@@ -240,7 +236,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._gradient_sync = True
         self._random_streams: RandomStreams | None = None
         self._undo_forks: list[Callable[[], None]] = []  # the random forks of fit's library models, undone at teardown
-        self._cutter: libraries.ModelLibrary | None = None  # the library whose models' batches are cut along cp
+        self._cut_steps: CutSteps | None = None
 
     @property
     def is_distributed(self) -> bool:
@@ -276,6 +272,12 @@ class NDParallelStrategy(ModelParallelStrategy):
     def loss_reduction(self) -> Literal["mean", "sum"]:
         """The ``loss_reduction`` the strategy was given."""
         return self._loss_reduction
+
+    @property
+    def _cut(self) -> CutSteps:
+        if self._cut_steps is None:
+            raise RuntimeError("NDParallelStrategy cuts batches only after the processes start")
+        return self._cut_steps
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -324,6 +326,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._meshes = self._dims.build_mesh(self.root_device.type)
         _compat.set_device_mesh(self, self._meshes.world)  # what self.device_mesh and module.device_mesh return
         _compat.set_device_mesh(module, self._meshes.world)
+        self._cut_steps = CutSteps(module, self._plan, self._meshes["cp"])
 
     @contextmanager
     @override
@@ -453,7 +456,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         dist.broadcast_object_list(seed, src=0)
         self._random_streams = streams = RandomStreams(self.meshes, seed[0], self.root_device)
         streams.seed_shared()
-        if self._cuts_sequences:  # every activation of the library models is this cp rank's tokens
+        if self._cut.cuts:  # every activation of the library models is this cp rank's tokens
             for found in libraries.models(module):
                 self._undo_forks += [handle.remove for handle in fork_forward(found.model, streams, "cp")]
         elif self.parallel_dims.tp > 1:  # each tp rank's attention heads draw their own dropout masks
@@ -497,7 +500,7 @@ class NDParallelStrategy(ModelParallelStrategy):
             data_ranks=dims.batch_size, accumulate=trainer.accumulate_grad_batches,
             whole_module_unit=not self._plan and whole_module_unit(self._module, self._sizes),
             pipeline=None if self._pipeline is None else (self._pp, self._microbatches, dims.pp),
-            context=self._sequence_cutter().context_summary(dims.cp, self._plan.kv_exchange) if self._cuts_sequences else None,
+            context=self._cut.context_summary(),
             normalization=self._loss_normalization, sum_reduction=self._sum_reduction,
         )  # fmt: skip
         return summary
@@ -547,52 +550,30 @@ class NDParallelStrategy(ModelParallelStrategy):
             module_name=type(self._module).__name__, device=self.root_device,
         )  # fmt: skip
         refused = partial(refuse_load_balancing, mode=self._loss_normalization, pp=self.parallel_dims.pp)
-        if self._pipeline is not None:
+        if self._pipeline is not None:  # the pipeline scales each of its micro-batches' losses: Lightning divides by 1
             with watching(watch_forward=False):
-                return refused(self._pipelined_step(share, *args, **kwargs))
-        with watching(watch_forward=True):
-            output, own_losses = self._run_step(super().training_step, args, kwargs)
-        if self._windows is None:  # Lightning's mean of micro-batch means: Lightning divides by k itself
-            return refused(output)
-        k = self._module.trainer.accumulate_grad_batches
-        own = self.parallel_dims.cp == 1 or _is_one_of(output, own_losses)
-        output = normalized(output, share, k, mode=self._loss_normalization, own=own, cuts=self._cuts_sequences)
-        self._logged.add_window_share(self._module, self.meshes["dp_cp"].get_group(), output, k, share.ends_window)
-        if share.ends_window:  # the next window's counts: their all-reduce overlaps this backward and optimizer step
-            self._windows.read_next_window()
+                step = partial(super().training_step, *args, **kwargs)
+                output = refused(self._pipeline.training_step(step, share, self._module))
+            k = 1
+        else:
+            with watching(watch_forward=True):
+                output, own = self._run_step(super().training_step, args, kwargs)
+            if self._windows is None:  # Lightning's mean of micro-batch means: Lightning divides by k itself
+                return refused(output)
+            k = self._module.trainer.accumulate_grad_batches
+            own = own or self.parallel_dims.cp == 1
+            output = normalized(output, share, k, mode=self._loss_normalization, own=own, cuts=self._cut.cuts)
+        if self._windows is not None:
+            self._logged.add_window_share(self._module, self.meshes["dp_cp"].get_group(), output, k, share.ends_window)
+            if share.ends_window:  # the next window's counts: their all-reduce overlaps this backward and optimizer step
+                self._windows.read_next_window()
         return output
 
-    @property
-    def _cuts_sequences(self) -> bool:
-        return self._plan.cuts_sequences(self.parallel_dims.cp)
-
-    def _run_step(
-        self, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Any, list[torch.Tensor]]:
-        """``step(*args, **kwargs)`` and the losses the ``transformers`` models returned in it: where the strategy cuts
-        sequences, on this cp rank's part of the batch (the step's first argument), the shard active; with
-        ``find_unused_parameters``, each FSDP2 unit's forward agreed with the other ranks'."""
+    def _run_step(self, hook: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
+        """A step hook on this cp rank's part of the batch (:class:`CutSteps`) and whether its loss is a library
+        model's own; with ``find_unused_parameters``, each FSDP2 unit's forward agreed with the other ranks'."""
         with self._unused.forward() if self._unused is not None else nullcontext():
-            if not self._cuts_sequences:
-                return step(*args, **kwargs), []
-            batch = args[0] if args else kwargs["batch"]
-            cut = self._sequence_cutter().cut_batch(batch, self.meshes["cp"], self._plan.kv_exchange)
-            args, kwargs = ((cut.batch, *args[1:]), kwargs) if args else (args, {**kwargs, "batch": cut.batch})
-            with cut.active:
-                return step(*args, **kwargs), cut.model_losses
-
-    def _sequence_cutter(self) -> libraries.ModelLibrary:
-        """The library whose models' batches the strategy cuts along the sequence (one: a batch is cut once)."""
-        if self._cutter is None:
-            found = libraries.models(self._module)
-            kinds = {f.library.name: f.library for f in found}
-            if len(kinds) != 1:
-                raise ValueError(
-                    f"cp > 1 with tp_plan='auto' cuts each batch the way its model's library does, and "
-                    f"{type(self._module).__name__} holds models of {sorted(kinds) or 'no library'}: give one library's"
-                )
-            self._cutter = next(iter(kinds.values()))
-        return self._cutter
+            return self._cut.run(hook, args, kwargs)
 
     def _micro_batch_share(self) -> MicroBatchShare:
         """This micro-batch's share of its window: from the loss windows, or without loss normalization
@@ -612,31 +593,10 @@ class NDParallelStrategy(ModelParallelStrategy):
             )
         return share
 
-    def _pipelined_step(self, share: MicroBatchShare, *args: Any, **kwargs: Any) -> Any:
-        """``training_step`` around ``run_pipeline``, which runs forward and backward: the pipeline scales
-        each of its micro-batches' losses by ``share``; Lightning divides no further."""
-        pipeline, module = self._pipeline, self._module
-        assert pipeline is not None
-        pipeline.share = share
-        if module.automatic_optimization:
-            # Lightning zeroes gradients after training_step and then calls backward: the step's
-            # gradients wait aside until backward() adds them back
-            with pipeline.gradients_aside(module, window_ends=share.ends_window):
-                output = super().training_step(*args, **kwargs)
-        else:
-            output = super().training_step(*args, **kwargs)
-            if share.ends_window:
-                pipeline.window_complete()
-        if self._windows is not None:
-            self._logged.add_window_share(self._module, self.meshes["dp_cp"].get_group(), output, 1, share.ends_window)
-            if share.ends_window:
-                self._windows.read_next_window()
-        return output
-
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        output, own_losses = self._run_step(super().validation_step, args, kwargs)
-        self._log_eval_loss_of("validation_step", "val_loss", output, args[0] if args else kwargs.get("batch"), own_losses)
+        output, own = self._run_step(super().validation_step, args, kwargs)
+        self._log_eval_loss("validation_step", "val_loss", output, args[0] if args else kwargs.get("batch"), own)
         return output
 
     @override
@@ -646,13 +606,11 @@ class NDParallelStrategy(ModelParallelStrategy):
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        output, own_losses = self._run_step(super().test_step, args, kwargs)
-        self._log_eval_loss_of("test_step", "test_loss", output, args[0] if args else kwargs.get("batch"), own_losses)
+        output, own = self._run_step(super().test_step, args, kwargs)
+        self._log_eval_loss("test_step", "test_loss", output, args[0] if args else kwargs.get("batch"), own)
         return output
 
-    def _log_eval_loss_of(self, hook: str, name: str, output: Any, batch: Any, own_losses: list[torch.Tensor]) -> None:
-        loss = output.get("loss") if isinstance(output, Mapping) else output
-        own = any(loss is o for o in own_losses)
+    def _log_eval_loss(self, hook: str, name: str, output: Any, batch: Any, own: bool) -> None:
         self._logged.add_eval(self._module, hook, name, output, batch, own=own, meshes=self.meshes, device=self.root_device)
 
     def _optimizer_options(self) -> StateDictOptions:

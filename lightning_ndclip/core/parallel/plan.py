@@ -14,6 +14,7 @@ from typing import Any, Literal
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from typing_extensions import TypeIs
 
 from lightning_ndclip._compat import checkpoint_wrapper, concatenate_meshes
 from lightning_ndclip.core import libraries
@@ -29,6 +30,12 @@ from lightning_ndclip.core.parallel.tensor_parallel import (
 )
 
 __all__ = ["ParallelPlan", "check_plan_sizes", "parallelize"]
+
+
+def _own_plans(tp_plan: Mapping[str, ParallelStyle] | Literal["auto"] | None) -> TypeIs[Literal["auto"]]:
+    """Whether ``tp_plan`` asks for the library models' own plans (``"auto"``): their tp, ep and cp plans, their blocks
+    as the FSDP2 units (:mod:`~lightning_ndclip.core.libraries`). The one place this rule is written."""
+    return tp_plan == "auto"
 
 
 def check_plan_sizes(tp_plan: Mapping[str, ParallelStyle] | Literal["auto"] | None, tp: int, ep: int, cp: int = 1) -> None:
@@ -153,7 +160,7 @@ def parallelize(
             :func:`~lightning_ndclip.core.parallel.loss_parallel.loss_parallel_plan`).
     """
     options = None if compile is False else {} if compile is True else dict(compile)  # None: no compile
-    if tp_plan == "auto" and not fsdp_units:
+    if _own_plans(tp_plan) and not fsdp_units:
         fsdp_units = libraries.block_classes(module)
     _check_arguments(module, meshes, tp_plan, fsdp_units, activation_checkpointing, compile)
     experts = _apply_tensor_parallel(module, meshes, tp_plan, loss_parallel)
@@ -194,7 +201,7 @@ def _check_arguments(
         _check_not_compiled(module, fsdp_units, compile=True)
     tp, ep, cp = meshes["tp"].size(), meshes["ep"].size(), meshes["cp"].size()
     check_plan_sizes(tp_plan, tp, ep, cp)
-    if ep > 1 and tp_plan == "auto" and _fullgraph(compile):
+    if ep > 1 and _own_plans(tp_plan) and _fullgraph(compile):
         raise ValueError(
             "compile with ep > 1: each block's experts are an FSDP2 unit of their own (hooks Dynamo does not trace) "
             "and exchange their tokens in sizes read on the host, so a block is no single graph; give "
@@ -209,7 +216,7 @@ def _apply_tensor_parallel(
     """The tp plan (``"auto"``: each library model's own, with its ep and cp plans) and the loss-parallel head;
     the modules holding whole experts per ep rank, each to be an FSDP2 unit of its own."""
     experts: dict[str, nn.Module] = {}
-    if tp_plan == "auto":
+    if _own_plans(tp_plan):
         tp_plan, experts = _apply_library_plans(module, meshes)
     if loss_parallel:  # the LM head's logits stay sharded along the vocabulary
         from lightning_ndclip.core.parallel.loss_parallel import loss_parallel_plan
@@ -424,7 +431,7 @@ class ParallelPlan:
         """Whether the library models' own plans (``tp_plan="auto"``) cut their sequences over ``cp`` ranks: the
         batch by their library's :meth:`~lightning_ndclip.core.libraries.ModelLibrary.cut_batch`, the model where
         its own plan says."""
-        return self.tp_plan == "auto" and cp > 1
+        return _own_plans(self.tp_plan) and cp > 1
 
     def for_stage(self, model: nn.Module, stage: nn.Module) -> ParallelPlan:
         """The part of this plan, written for the whole ``model``, that applies to ``stage``, a pipeline stage cut from
@@ -468,7 +475,7 @@ class ParallelPlan:
                 "and receives point to point, which Dynamo does not compile (a graph break per exchange); give "
                 "kv_exchange='all_gather', or compile={'fullgraph': False}"
             )
-        if _fullgraph(self.compile) and meshes["tp"].size() > 1 and self.tp_plan == "auto":
+        if _fullgraph(self.compile) and meshes["tp"].size() > 1 and _own_plans(self.tp_plan):
             dropping = [type(f.model).__name__ for f in libraries.models(module) if f.library.attention_dropout(f.model) > 0]
             if dropping:
                 raise ValueError(
