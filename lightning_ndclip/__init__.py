@@ -32,6 +32,7 @@ from lightning_ndclip.core.norm.clip_grad import (
     get_total_norm,
     grad_norms,
 )
+from lightning_ndclip.core.optim import Muon, newton_schulz
 from lightning_ndclip.core.parallel.coverage import check_data_parallel_reduction
 from lightning_ndclip.core.parallel.expert_parallel import ExpertParallel
 from lightning_ndclip.core.parallel.expert_tensor_parallel import PackedExpertsParallel
@@ -94,6 +95,7 @@ __all__ = [
     "LoadBalance",
     "ModuleRow",
     "MoE",
+    "Muon",
     "NDParallelStrategy",
     "NormPlanError",
     "NormPlans",
@@ -128,6 +130,7 @@ __all__ = [
     "loss_parallel_plan",
     "loss_share",
     "model_units",
+    "newton_schulz",
     "parallelize",
     "ring_attention",
     "router_aux_loss",

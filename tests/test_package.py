@@ -109,6 +109,7 @@ _MAY_IMPORT = {  # each part of the core, and the other parts it may import (lig
     "load_balance": {"parallel.mesh", "libraries"},
     "random": {"parallel.mesh"},
     "draws": set(),
+    "optim": set(),
 }
 
 

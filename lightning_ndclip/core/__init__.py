@@ -22,5 +22,6 @@ checks it):
 - :mod:`~lightning_ndclip.core.random`: the step's random streams on a mesh (peers alike, data ranks apart, forks);
   imports ``parallel.mesh``;
 - :mod:`~lightning_ndclip.core.draws`: a step's random draws recorded on the ranks and replayed on one device;
-  imports nothing else.
+  imports nothing else;
+- :mod:`~lightning_ndclip.core.optim`: optimizers of whole matrices (Muon) exact on any mesh; imports nothing else.
 """
