@@ -32,7 +32,8 @@ from lightning_ndclip.core.norm.clip_grad import (
     get_total_norm,
     grad_norms,
 )
-from lightning_ndclip.core.optim import Muon, newton_schulz
+from lightning_ndclip.core.optim.muon import Muon
+from lightning_ndclip.core.optim.orthogonal import newton_schulz
 from lightning_ndclip.core.parallel.coverage import check_data_parallel_reduction
 from lightning_ndclip.core.parallel.expert_parallel import ExpertParallel
 from lightning_ndclip.core.parallel.expert_tensor_parallel import PackedExpertsParallel

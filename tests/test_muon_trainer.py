@@ -1,7 +1,7 @@
 """Muon in ``Trainer.fit`` under NDParallelStrategy with GlobalNormClip, written as a user writes it (matrices by
 Muon, the rest in a ``"muon": False`` group, one optimizer): the parameters after 3 clipped steps equal one process
 in float64 running Muon from its definition (test_muon.ReferenceMuon) and torch.optim.AdamW on the same batches,
-on dp_shard, dp_shard x tp, HSDP and pp x dp_shard."""
+on dp_shard, dp_shard x tp, HSDP, pp x dp_shard and experts over ep."""
 
 from __future__ import annotations
 
@@ -10,6 +10,11 @@ import pytest
 import torch
 from harness import run_on_ranks
 from helpers import use_existing_process_group
+from test_experts import MAX_NORM as EXPERT_MAX_NORM
+from test_experts import WORLD as EXPERT_WORLD
+from test_experts import MoEModel
+from test_experts import _data as _expert_data
+from test_experts_trainer import _MoEModule
 from test_muon import ReferenceMuon
 from test_pipeline import TinyLM, _batch
 from test_pipeline_trainer import _PipelinedLM
@@ -27,10 +32,15 @@ MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.9)
 ADAMW = dict(lr=0.01, weight_decay=0.1)
 
 
+def _by_muon(name: str, p: torch.Tensor) -> bool:
+    """Matrices (and stacks of expert matrices) but the embedding."""
+    return p.ndim in (2, 3) and "embed" not in name
+
+
 def _muon(named: list[tuple[str, nn.Parameter]]) -> nd.Muon:
-    """The optimizer a user writes: 2-D weights but the embedding by Muon, the rest by AdamW's update."""
-    matrices = [p for n, p in named if p.ndim == 2 and "embed" not in n]
-    others = [p for n, p in named if p.ndim != 2 or "embed" in n]
+    """The optimizer a user writes: the matrices by Muon, the rest by AdamW's update."""
+    matrices = [p for n, p in named if _by_muon(n, p)]
+    others = [p for n, p in named if not _by_muon(n, p)]
     return nd.Muon([{"params": matrices}, {"params": others, "muon": False, **ADAMW}], **MUON, ns_dtype=None)
 
 
@@ -70,13 +80,13 @@ def _step_reference(
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 2 and "embed" not in name:
+            if _by_muon(name, p):
                 p.copy_(muon.step(name, p, p.grad))
     adamw.step()
 
 
 def _adamw_of(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p for n, p in model.named_parameters() if p.ndim != 2 or "embed" in n], **ADAMW)
+    return torch.optim.AdamW([p for n, p in model.named_parameters() if not _by_muon(n, p)], **ADAMW)
 
 
 def _mlp_reference(dp: int) -> dict[str, torch.Tensor]:
@@ -97,10 +107,12 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if isinstance(p, DTensor) else p.detach()
 
 
-def _fit(module: L.LightningModule, strategy: nd.NDParallelStrategy, max_norm: float, steps: int = STEPS) -> dict:
+def _fit(
+    module: L.LightningModule, strategy: nd.NDParallelStrategy, max_norm: float, steps: int = STEPS, accumulate: int = ACCUMULATE
+) -> dict:
     use_existing_process_group()
     trainer = L.Trainer(
-        accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, accumulate_grad_batches=ACCUMULATE,
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, accumulate_grad_batches=accumulate,
         callbacks=[nd.GlobalNormClip(max_norm)], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )  # fmt: skip
@@ -161,5 +173,36 @@ def test_muon_on_pipeline_stages_equals_one_device():
     expected = _pp_reference(steps=2)
     for params in run_on_ranks(4, _pp_case):
         assert params
+        for name, value in params.items():
+            assert (value - expected[name]).abs().max() < 1e-12, name
+
+
+class _MuonMoEModule(_MoEModule):
+    """test_experts_trainer's MoE (experts over ep=2, FSDP2 over the ranks holding the same experts) with Muon: the
+    expert stacks ``[4, 8, 16]`` / ``[4, 16, 8]`` orthogonalized per expert, the dense matrices whole."""
+
+    def configure_optimizers(self):
+        return _muon(list(self.named_parameters()))
+
+
+def _ep_case() -> dict[str, torch.Tensor]:
+    strategy = nd.NDParallelStrategy(dp_shard=EXPERT_WORLD, ep=2, sum_reduction=True)
+    return _fit(_MuonMoEModule(), strategy, EXPERT_MAX_NORM, steps=2, accumulate=1)  # a step: one batch per rank
+
+
+def _ep_reference(steps: int) -> dict[str, torch.Tensor]:
+    """The whole data set per step (the Trainer's step covers it: one batch per rank), the loss its mean."""
+    model, (x, y) = MoEModel(), _expert_data()
+    muon, adamw = ReferenceMuon(**MUON), _adamw_of(model)
+    for _ in range(steps):
+        loss = ((model(x) - y) ** 2).sum() / x.shape[0]
+        _step_reference(model, loss, muon, adamw, EXPERT_MAX_NORM)
+    return {f"model.{n}": p.detach() for n, p in model.named_parameters()}
+
+
+def test_muon_on_experts_over_ep_equals_one_device():
+    expected = _ep_reference(steps=2)
+    for params in run_on_ranks(EXPERT_WORLD, _ep_case):
+        assert params.keys() == expected.keys()
         for name, value in params.items():
             assert (value - expected[name]).abs().max() < 1e-12, name

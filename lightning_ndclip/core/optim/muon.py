@@ -4,7 +4,7 @@ Muon's update of a matrix ``W`` with gradient ``G`` (torch.optim.Muon's, argumen
 
     B <- mu B + (1 - mu) G                       (the momentum, as ``lerp``)
     U <- (1 - mu) G + mu B  if nesterov else B
-    O <- NS(U)                                   (:func:`~lightning_ndclip.core.optim.newton_schulz.newton_schulz`)
+    O <- NS(U)                                   (:func:`~lightning_ndclip.core.optim.orthogonal.newton_schulz`)
     W <- (1 - lr wd) W - lr' O,    lr' = lr * adjust(shape of W)
 
 Everything but ``NS`` is elementwise and runs on each rank's shard as it is. ``NS`` is a function of the whole
@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
-from lightning_ndclip.core.optim.newton_schulz import DEFAULT_COEFFICIENTS, newton_schulz
+from lightning_ndclip.core.optim.orthogonal import DEFAULT_COEFFICIENTS, newton_schulz
 
 __all__ = ["Muon"]
 
