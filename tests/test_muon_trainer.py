@@ -5,6 +5,8 @@ on dp_shard, dp_shard x tp, HSDP, pp x dp_shard and experts over ep."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import lightning as L
 import pytest
 import torch
@@ -72,7 +74,8 @@ class _MuonMlp(L.LightningModule):
 
 
 def _step_reference(
-    model: nn.Module, loss: torch.Tensor, muon: ReferenceMuon, adamw: torch.optim.Optimizer, max_norm: float
+    model: nn.Module, loss: torch.Tensor, muon: ReferenceMuon, adamw: torch.optim.Optimizer, max_norm: float,
+    by_muon: Callable[[str, torch.Tensor], bool] = _by_muon,
 ) -> None:
     """One clipped step of the reference: Muon on the optimizer's matrices, AdamW (torch's) on the rest."""
     model.zero_grad()
@@ -80,13 +83,13 @@ def _step_reference(
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if _by_muon(name, p):
+            if by_muon(name, p):
                 p.copy_(muon.step(name, p, p.grad))
     adamw.step()
 
 
-def _adamw_of(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p for n, p in model.named_parameters() if not _by_muon(n, p)], **ADAMW)
+def _adamw_of(model: nn.Module, by_muon: Callable[[str, torch.Tensor], bool] = _by_muon) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for n, p in model.named_parameters() if not by_muon(n, p)], **ADAMW)
 
 
 def _mlp_reference(dp: int) -> dict[str, torch.Tensor]:
@@ -206,3 +209,74 @@ def test_muon_on_experts_over_ep_equals_one_device():
         assert params.keys() == expected.keys()
         for name, value in params.items():
             assert (value - expected[name]).abs().max() < 1e-12, name
+
+
+def _hf_by_muon(name: str, p: torch.Tensor) -> bool:
+    """What Muon users give it in a transformers LM: the blocks' matrices (not the embedding nor the head)."""
+    return p.ndim in (2, 3) and "embed" not in name and "lm_head" not in name
+
+
+def _hf_muon(named: list[tuple[str, nn.Parameter]]) -> nd.Muon:
+    matrices = [p for n, p in named if _hf_by_muon(n, p)]
+    others = [p for n, p in named if not _hf_by_muon(n, p)]
+    return nd.Muon([{"params": matrices}, {"params": others, "muon": False, **ADAMW}], **MUON, ns_dtype=None)
+
+
+def _hf_case() -> dict[str, torch.Tensor]:
+    from test_hf_families import _FamilyModule
+
+    class MuonLlama(_FamilyModule):
+        def __init__(self) -> None:
+            super().__init__("Llama")
+            self.lm.double()
+
+        def configure_optimizers(self):
+            return _hf_muon(list(self.named_parameters()))
+
+    module = MuonLlama()
+    strategy = nd.NDParallelStrategy(dp_shard=2, tp=2, plan=nd.ParallelPlan(tp_plan="auto"), loss_normalization="token_mean")
+    _fit(module, strategy, MAX_NORM["mlp"], steps=2)
+    return {n: _full(p) for n, p in module.lm.named_parameters()}
+
+
+def test_muon_on_a_transformers_model_with_its_own_plan_equals_one_device():
+    """A tiny transformers Llama on dp_shard=2 x tp=2 with its own tp plan, the exact token mean over micro-batches
+    of uneven token counts: each step covers all 8 rows."""
+    pytest.importorskip("transformers")
+    from hf_families import tiny_causal_lm
+    from test_hf_families import _data as _hf_data
+
+    model, (tokens, labels) = tiny_causal_lm("Llama").double(), _hf_data()
+    muon, adamw = ReferenceMuon(**MUON), _adamw_of(model, _hf_by_muon)
+    for _ in range(2):
+        loss = nn.functional.cross_entropy(model(input_ids=tokens).logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        _step_reference(model, loss, muon, adamw, MAX_NORM["mlp"], _hf_by_muon)
+    for params in run_on_ranks(4, _hf_case):
+        for name, value in params.items():
+            assert (value - dict(model.named_parameters())[name]).abs().max() < 1e-12, name
+
+
+def _resume_case(directory: str) -> dict[str, dict[str, torch.Tensor]]:
+    """dp_shard=2 x tp=2, 2 steps per epoch: 2 epochs straight, and 1 epoch saved then resumed for the second (the
+    momentum buffers and AdamW's moments, DTensors, through Lightning's distributed checkpoint)."""
+    use_existing_process_group()
+    out = {}
+    for run, epochs, ckpt in (("straight", 2, None), ("first", 1, None), ("resumed", 2, f"{directory}/muon.ckpt")):
+        module = _MuonMlp()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=4, strategy=nd.NDParallelStrategy(**MESHES["dp_shard_tp"]), max_epochs=epochs,
+            limit_train_batches=4, accumulate_grad_batches=ACCUMULATE, callbacks=[nd.GlobalNormClip(MAX_NORM["mlp"])],
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(module, ckpt_path=ckpt)
+        if run == "first":
+            trainer.save_checkpoint(f"{directory}/muon.ckpt")
+        out[run] = {n: _full(p) for n, p in module.named_parameters()}
+    return out
+
+
+def test_muon_resumes_from_a_checkpoint_as_if_uninterrupted(tmp_path):
+    for runs in run_on_ranks(4, _resume_case, str(tmp_path)):
+        assert any((runs["first"][n] - runs["straight"][n]).abs().max() > 1e-3 for n in runs["straight"])
+        for name, value in runs["resumed"].items():
+            assert torch.equal(value, runs["straight"][name]), name
