@@ -2,8 +2,8 @@
 DTensors and against AdamW (CPU, gloo).
 
 ``--matrices`` bias-free ``nn.Linear(D, D)`` layers (float32), tensor parallel over ``tp`` (alternately colwise and
-rowwise: two layouts) and FSDP2 over ``dp_shard`` (over tp: ``_StridedShard`` on the colwise ones), on
-``--world-size`` spawned ranks; gradients set once (the same values in every arm). Arms, each in fresh processes:
+rowwise: two layouts; ``--tp 1``: none) and FSDP2 over ``dp_shard`` (over tp: ``_StridedShard`` on the colwise ones),
+on ``--world-size`` spawned ranks; gradients set once (the same values in every arm). Arms, each in fresh processes:
 
 * ``ndclip``: ``lightning_ndclip.Muon``: each group of same-shaped matrices of one layout stacked, redistributed so
   every rank holds whole matrices, orthogonalized there (bfloat16 Newton-Schulz, torch's), redistributed back;
@@ -17,6 +17,7 @@ Measured per step: wall time (median of ``--repeat`` steps after one warm-up ste
 first), max over ranks. Run by hand (see README.md)::
 
     python benchmarks/bench_muon.py                     # 4 ranks (dp_shard=2 x tp=2), 100 and 1,000 matrices
+    python benchmarks/bench_muon.py --tp 1 --out benchmarks/results/muon_4ranks_fsdp   # FSDP2 alone (dp_shard=4)
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ ARMS = ("ndclip", "torch_muon", "adamw")
 LABELS = {
     "ndclip": "lightning_ndclip.Muon",
     "torch_muon": "torch.optim.Muon on the DTensors",
-    "adamw": "torch.optim.AdamW (floor)",
+    "adamw": "torch.optim.AdamW (no communication)",
 }
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -129,13 +130,16 @@ def write_markdown(data: dict, path: Path) -> None:
     lines = [
         f"# One Muon step on sharded matrices, {world} ranks (dp_shard={world // a.tp} x tp={a.tp}, CPU, gloo, a thread each)",
         "",
-        f"Bias-free `nn.Linear({a.dim}, {a.dim})` layers, float32, tensor parallel (alternately colwise and rowwise) "
-        "and FSDP2 over tp; gradients given. **s**: median wall time of a step over "
+        f"Bias-free `nn.Linear({a.dim}, {a.dim})` layers, float32, "
+        + ("tensor parallel (alternately colwise and rowwise) and FSDP2 over tp" if a.tp > 1 else "FSDP2 alone")
+        + "; gradients given. **s**: median wall time of a step over "
         f"{a.repeat} steps after a warm-up, max over ranks. **collectives**: what DTensor issued in one step "
         "(`CommDebugMode`). **peak MB**: the growth of the process's peak RSS during one step, max over ranks. "
         f"Measured {m['date']} on {m['cpus']} CPU cores ({m['cpu']}), torch {m['torch']}; {world} ranks share the "
-        "cores. gloo has no all-to-all for DTensor, which falls back to all-gathers there (NCCL: all-to-all). "
-        "See benchmarks/README.md.",
+        "cores. "
+        + ("gloo has no all-to-all for DTensor, which falls back to all-gathers there (NCCL: all-to-all). " if a.tp > 1
+           else "On one mesh dim lightning_ndclip.Muon exchanges by two all-to-alls of its own (c10d, which gloo has). ")
+        + "See benchmarks/README.md.",
         "",
         "| matrices | optimizer | s per step | x AdamW | collectives | peak MB per rank |",
         "|---|---|---|---|---|---|",

@@ -6,6 +6,7 @@ gradient, below), not the package's code; the bfloat16 one is torch.optim.Muon i
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -146,10 +147,10 @@ def test_orthogonalizing_each_shard_is_not_muon():
     assert min(errors.values()) > 1e-3, errors  # 0.017-0.025 here: about the size of the updates
 
 
-def _bf16_case() -> list[bool]:
-    """fp32 weights, torch's bfloat16 Newton-Schulz: a dp_shard x tp step against torch.optim.Muon on the whole
+def _bf16_case(layout: str) -> list[bool]:
+    """fp32 weights, torch's bfloat16 Newton-Schulz: steps on ``layout`` against torch.optim.Muon on the whole
     matrices in this process."""
-    model = _model("dp_shard_tp", torch.float32)
+    model = _model(layout, torch.float32)
     whole = nn.Sequential(*[nn.Linear(s[1], s[0], bias=False) for s in SHAPES.values()])
     with torch.no_grad():
         for (_, p), w in zip(model.named_parameters(), whole.parameters()):
@@ -164,8 +165,9 @@ def _bf16_case() -> list[bool]:
     return [torch.equal(_full(p), w.detach()) for p, w in zip(model.parameters(), whole.parameters())]
 
 
-def test_in_bfloat16_muon_on_a_mesh_is_torch_muon_bit_for_bit():
-    for equal in run_on_ranks(4, _bf16_case):
+@pytest.mark.parametrize("layout", ["dp_shard", "dp_shard_tp"])
+def test_in_bfloat16_muon_on_a_mesh_is_torch_muon_bit_for_bit(layout):
+    for equal in run_on_ranks(4, _bf16_case, layout):
         assert all(equal), equal
 
 
@@ -204,6 +206,26 @@ def test_a_step_communicates_per_stack_not_per_matrix():
     """8 or 32 matrices of one shape and layout: the same collectives (two redistributions of the stack)."""
     few, many = run_on_ranks(4, _collectives_case, 8)[0], run_on_ranks(4, _collectives_case, 32)[0]
     assert few == many and 0 < sum(few.values()) <= 4, (few, many)
+
+
+def _exchange_case(matrices: int) -> tuple[int, dict[str, int]]:
+    """FSDP2 alone (one mesh dim): the package's own all-to-all, twice per stack, and no other collective."""
+    model = nn.Sequential(*[nn.Linear(8, 9, bias=False) for _ in range(matrices)]).double()
+    fully_shard(model, mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",)))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    calls = []
+    exchange = torch.distributed.all_to_all_single
+    with mock.patch.object(torch.distributed, "all_to_all_single", lambda *a, **k: calls.append(1) or exchange(*a, **k)):
+        with CommDebugMode() as comm:
+            Muon(model.parameters(), ns_dtype=None).step()
+    return len(calls), {str(op): n for op, n in comm.get_comm_counts().items()}
+
+
+def test_on_fsdp2_alone_each_stack_is_two_all_to_alls_whatever_its_size():
+    for matrices in (3, 16):  # fewer matrices than ranks, and more
+        for calls, dtensor in run_on_ranks(4, _exchange_case, matrices):
+            assert calls == 2 and list(dtensor.values()) == [2] and "alltoall" in next(iter(dtensor)), (calls, dtensor)
 
 
 def test_muon_refuses_what_is_not_a_matrix_naming_it():

@@ -14,7 +14,9 @@ assembled once instead: the matrices of a parameter group that share a shape and
 redistributed so that each rank holds whole matrices (every mesh dim sharding the stack's first dim: the owners
 spread over the ranks that shard the matrices and over their replicas, so every rank orthogonalizes about
 ``1 / mesh size`` of them and each replica set orthogonalizes a matrix once), orthogonalized there one by one, and
-redistributed back to the parameters' layout. Two redistributions per stack, whatever the number of matrices.
+redistributed back to the parameters' layout. Two redistributions per stack, whatever the number of matrices. On
+one mesh dim (FSDP2 alone) the two are all-to-alls of this module's own, each owner receiving only its matrices'
+shards; elsewhere DTensor's ``redistribute`` (on gloo, which has no all-to-all for DTensor, all-gathers).
 
 What is exact: the same ``NS`` of the same whole matrix as on one device. In ``ns_dtype=torch.bfloat16`` (the
 default, torch.optim.Muon's) that is torch.optim.Muon's bfloat16 computation, bit for bit on the same device and
@@ -29,6 +31,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal, cast
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw
@@ -212,6 +215,8 @@ def _orthogonalized_stack(
     if not isinstance(first, DTensor):  # whole on this rank
         return [orthogonalize(d if d.ndim == 3 else d.unsqueeze(0)).reshape(d.shape) for d in directions]
     mesh, placements = first.device_mesh, first.placements
+    if first.ndim == 2 and mesh.ndim == 1 and type(placements[0]) is Shard:  # FSDP2 alone: the exchange, by hand
+        return _exchanged(first.shape, placements[0].dim, directions, mesh.get_group(), orthogonalize)
     shards = [DTensor.from_local(d, mesh, placements, shape=p.shape, stride=p.stride(), run_check=False)
               for p, d in zip(params, directions)]  # fmt: skip
     stack = shards[0] if first.ndim == 3 else cast(DTensor, torch.stack(list[torch.Tensor](shards)))
@@ -221,3 +226,52 @@ def _orthogonalized_stack(
     )
     back = done.redistribute(mesh, stack.placements).to_local()
     return [back] if first.ndim == 3 else list(back.unbind(0))
+
+
+def _exchanged(
+    shape: torch.Size, dim: int, shards: list[torch.Tensor], group: dist.ProcessGroup,
+    orthogonalize: Callable[[torch.Tensor], torch.Tensor],
+) -> list[torch.Tensor]:  # fmt: skip
+    """:func:`_orthogonalized_stack` for matrices of ``shape`` sharded on ``dim`` over one mesh dim (``group``): one
+    all-to-all brings each owner every rank's shard of its matrices (the owners: contiguous blocks of the stack, as
+    ``Shard(0)`` gives), one takes the results' pieces back. Each rank receives its own matrices only, where DTensor's
+    redistribution all-gathers the whole stack on gloo (which has no all-to-all for it)."""
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
+    pieces = _chunk_sizes(shape[dim], ranks)  # each rank's rows (dim 0) or columns (dim 1), as Shard(dim) cuts
+    owned = _chunk_sizes(len(shards), ranks)
+    first = [sum(owned[:r]) for r in range(ranks)]
+    other = shape[1 - dim]
+
+    def local_shape(rank: int) -> tuple[int, int]:
+        return (pieces[rank], other) if dim == 0 else (other, pieces[rank])
+
+    # in: to each owner this rank's shards of its matrices; here, every rank's shard of the matrices owned here
+    send = [torch.stack(shards[first[r] : first[r] + owned[r]]) if owned[r] else shards[0][None, :0] for r in range(ranks)]
+    received = _all_to_all(send, [owned[me] * pieces[r] * other for r in range(ranks)], shards[0].dtype, group)
+    parts = [part.view(owned[me], *local_shape(r)) for r, part in enumerate(received)]
+    whole = torch.cat(parts, dim=1 + dim)  # [owned here, rows, columns]
+    done = orthogonalize(whole)
+    # out: to each rank its piece of every result here; here, this rank's piece of every matrix, by owner
+    starts = [sum(pieces[:r]) for r in range(ranks)]
+    back = [done.narrow(1 + dim, starts[r], pieces[r]) for r in range(ranks)]
+    returned = _all_to_all(back, [owned[o] * pieces[me] * other for o in range(ranks)], done.dtype, group)
+    return list(torch.cat(returned).view(len(shards), *local_shape(me)).unbind(0))
+
+
+def _chunk_sizes(n: int, ranks: int) -> list[int]:
+    """How ``torch.chunk`` (and so ``Shard``) cuts ``n`` over ``ranks``: ``ceil(n / ranks)`` each, the last ones less
+    or none."""
+    size = -(-n // ranks)
+    return [max(0, min(size, n - r * size)) for r in range(ranks)]
+
+
+def _all_to_all(
+    send: list[torch.Tensor], numels: list[int], dtype: torch.dtype, group: dist.ProcessGroup
+) -> list[torch.Tensor]:
+    """``send[r]`` to rank ``r`` of ``group``; what each rank sent here (``numels[r]`` elements), in ``dtype``. As bytes,
+    so that any dtype travels (gloo has no bfloat16)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    flat = torch.cat([t.reshape(-1).to(dtype) for t in send]).view(torch.uint8)
+    received = torch.empty(sum(numels) * size, dtype=torch.uint8, device=flat.device)
+    dist.all_to_all_single(received, flat, [n * size for n in numels], [t.numel() * size for t in send], group=group)
+    return list(received.view(dtype).split(numels))
