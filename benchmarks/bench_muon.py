@@ -9,7 +9,7 @@ on ``--world-size`` spawned ranks; gradients set once (the same values in every 
   every rank holds whole matrices, orthogonalized there (bfloat16 Newton-Schulz, torch's), redistributed back;
 * ``torch_muon``: ``torch.optim.Muon`` on the same DTensor parameters: its Newton-Schulz runs on DTensors, which
   redistribute inside its matrix products;
-* ``adamw``: ``torch.optim.AdamW`` (torch's default implementation for these tensors): the elementwise floor, no
+* ``adamw``: ``torch.optim.AdamW`` (torch's default implementation for these tensors): elementwise, no
   communication.
 
 Measured per step: wall time (median of ``--repeat`` steps after one warm-up step), the collectives DTensor issued
