@@ -22,6 +22,21 @@ import torch.multiprocessing as mp
 from lightning_ndclip import _compat
 
 
+def machine(**versions: str) -> dict:
+    """The machine a benchmark ran on (cores, CPU model, RAM), torch's version, today's date, and ``versions``."""
+    import datetime
+    import platform
+
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+         if line.startswith("model name")),
+        platform.processor(),
+    )  # fmt: skip
+    ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpus": os.cpu_count(), "cpu": cpu, "ram_gib": ram_gib, "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(), **versions}  # fmt: skip
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

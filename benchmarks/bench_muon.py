@@ -23,17 +23,14 @@ first), max over ranks. Run by hand (see README.md)::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _common import spawn_and_report  # benchmarks/_common.py
+from _common import machine, spawn_and_report  # benchmarks/_common.py
 from bench_cp_memory import peak_mb, reset_peak_mb
 
 ARMS = ("ndclip", "torch_muon", "adamw")
@@ -112,15 +109,6 @@ def worker(rank: int, args, port: int, out_json: str) -> None:
     print(f"{args.matrices:5d} matrices {args.arm:10s} {row['s'] * 1e3:9.1f} ms {row['collectives']:6d} collectives "
           f"peak +{row['peak_mb']:.0f} MB", flush=True)  # fmt: skip
     Path(out_json).write_text(json.dumps({"world_size": args.world_size, "rows": [row]}, indent=1))
-
-
-def machine() -> dict:
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-         if line.startswith("model name")),
-        platform.processor(),
-    )  # fmt: skip
-    return {"cpus": os.cpu_count(), "cpu": cpu, "torch": torch.__version__, "date": datetime.date.today().isoformat()}
 
 
 def write_markdown(data: dict, path: Path) -> None:
