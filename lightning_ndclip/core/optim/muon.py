@@ -239,23 +239,22 @@ def _exchanged(
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
     pieces = _chunk_sizes(shape[dim], ranks)  # each rank's rows (dim 0) or columns (dim 1), as Shard(dim) cuts
     owned = _chunk_sizes(len(shards), ranks)
-    first = [sum(owned[:r]) for r in range(ranks)]
     other = shape[1 - dim]
 
     def local_shape(rank: int) -> tuple[int, int]:
         return (pieces[rank], other) if dim == 0 else (other, pieces[rank])
 
-    # in: to each owner this rank's shards of its matrices; here, every rank's shard of the matrices owned here
-    send = [torch.stack(shards[first[r] : first[r] + owned[r]]) if owned[r] else shards[0][None, :0] for r in range(ranks)]
-    received = _all_to_all(send, [owned[me] * pieces[r] * other for r in range(ranks)], shards[0].dtype, group)
-    parts = [part.view(owned[me], *local_shape(r)) for r, part in enumerate(received)]
-    whole = torch.cat(parts, dim=1 + dim)  # [owned here, rows, columns]
-    done = orthogonalize(whole)
-    # out: to each rank its piece of every result here; here, this rank's piece of every matrix, by owner
+    # in: the owners are contiguous blocks in rank order, so this rank's shards in stack order are what it sends
+    sent = [owned[r] * pieces[me] * other for r in range(ranks)]
+    numels = [owned[me] * pieces[r] * other for r in range(ranks)]
+    received = _all_to_all(torch.cat([s.reshape(-1) for s in shards]), sent, numels, group)
+    parts = [part.view(owned[me], *local_shape(r)) for r, part in enumerate(received.split(numels))]
+    done = orthogonalize(torch.cat(parts, dim=1 + dim))  # [owned here, rows, columns], each whole
+    # out: to each rank its piece of every result here; back here, this rank's piece of every matrix, in stack order
     starts = [sum(pieces[:r]) for r in range(ranks)]
-    back = [done.narrow(1 + dim, starts[r], pieces[r]) for r in range(ranks)]
-    returned = _all_to_all(back, [owned[o] * pieces[me] * other for o in range(ranks)], done.dtype, group)
-    return list(torch.cat(returned).view(len(shards), *local_shape(me)).unbind(0))
+    back = torch.cat([done.narrow(1 + dim, starts[r], pieces[r]).reshape(-1) for r in range(ranks)])
+    returned = _all_to_all(back, numels, sent, group)
+    return list(returned.view(len(shards), *local_shape(me)).unbind(0))
 
 
 def _chunk_sizes(n: int, ranks: int) -> list[int]:
@@ -265,13 +264,11 @@ def _chunk_sizes(n: int, ranks: int) -> list[int]:
     return [max(0, min(size, n - r * size)) for r in range(ranks)]
 
 
-def _all_to_all(
-    send: list[torch.Tensor], numels: list[int], dtype: torch.dtype, group: dist.ProcessGroup
-) -> list[torch.Tensor]:
-    """``send[r]`` to rank ``r`` of ``group``; what each rank sent here (``numels[r]`` elements), in ``dtype``. As bytes,
-    so that any dtype travels (gloo has no bfloat16)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    flat = torch.cat([t.reshape(-1).to(dtype) for t in send]).view(torch.uint8)
-    received = torch.empty(sum(numels) * size, dtype=torch.uint8, device=flat.device)
-    dist.all_to_all_single(received, flat, [n * size for n in numels], [t.numel() * size for t in send], group=group)
-    return list(received.view(dtype).split(numels))
+def _all_to_all(send: torch.Tensor, sent: list[int], received: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """The flat ``send``, its first ``sent[0]`` elements to rank 0 of ``group`` and so on; what each rank sent here
+    (``received[r]`` elements from rank ``r``), flat, in rank order. As bytes, so that any dtype travels (gloo has no
+    bfloat16)."""
+    size = send.element_size()
+    out = torch.empty(sum(received) * size, dtype=torch.uint8, device=send.device)
+    dist.all_to_all_single(out, send.view(torch.uint8), [n * size for n in received], [n * size for n in sent], group=group)
+    return out.view(send.dtype)
